@@ -1,0 +1,1 @@
+"""FedShard on Lightning Fabric."""
