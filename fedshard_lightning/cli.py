@@ -1,0 +1,102 @@
+"""``python -m fedshard_lightning``: a LightningCLI over :class:`FederatedTrainer`.
+
+Subcommands are the trainer's methods (``fit``, ``test``, ``unlearn``, ``audit``); configs use
+``class_path``/``init_args`` for the model, the data, the algorithm and callbacks. Every error a
+user can cause is printed as one line, ``error: ...``, with exit status 2 and no traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, NoReturn
+
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+
+from fedshard_lightning.data.base import FederatedDataModule
+from fedshard_lightning.errors import FedShardError
+from fedshard_lightning.module import FederatedModule
+from fedshard_lightning.trainer import FederatedTrainer
+
+__all__ = ["FederatedCLI", "main"]
+
+DEFAULTS = {
+    "model": {"class_path": "fedshard_lightning.models.MLP", "init_args": {"hidden": [64, 64]}},
+    "data": {"class_path": "fedshard_lightning.data.DigitsDataModule"},
+}
+
+
+def _one_line(message: str, limit: int = 600) -> str:
+    text = " ".join(str(message).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class _Parser(LightningArgumentParser):
+    """Prints parse errors as one line."""
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        if not self.exit_on_error:
+            return super().error(message, ex)
+        sys.stderr.write(f"error: {_one_line(message)}\n")
+        raise SystemExit(2)
+
+
+class FederatedCLI(LightningCLI):
+    """LightningCLI whose trainer is a :class:`FederatedTrainer` (not a Lightning Trainer)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("model_class", FederatedModule)
+        kwargs.setdefault("datamodule_class", FederatedDataModule)
+        kwargs.setdefault("subclass_mode_model", True)
+        kwargs.setdefault("subclass_mode_data", True)
+        kwargs.setdefault("trainer_class", FederatedTrainer)
+        kwargs.setdefault("save_config_callback", None)
+        kwargs.setdefault("seed_everything_default", 0)
+        kwargs.setdefault("auto_configure_optimizers", False)
+        kwargs.setdefault("parser_class", _Parser)
+        kwargs.setdefault("load_from_checkpoint_support", False)
+        kwargs.setdefault(
+            "parser_kwargs", {"prog": "python -m fedshard_lightning", "description": "FedShard federated (un)learning"}
+        )
+        super().__init__(*args, **kwargs)
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        """The trainer methods exposed as subcommands."""
+        return {
+            "fit": {"model", "datamodule"},
+            "test": {"model", "datamodule"},
+            "unlearn": {"model", "datamodule"},
+            "audit": {"model", "datamodule"},
+        }
+
+    def add_core_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        """Trainer via ``add_class_arguments`` (it is not a Lightning Trainer), model and data as usual."""
+        parser.add_class_arguments(
+            self.trainer_class, "trainer", instantiate=False, fail_untyped=False, sub_configs=True, skip={"seed"}
+        )
+        parser.add_lightning_class_args(self._model_class, "model", subclass_mode=True)
+        parser.add_lightning_class_args(self._datamodule_class, "data", subclass_mode=True)
+        parser.set_defaults(DEFAULTS)
+
+    def instantiate_trainer(self, **kwargs: Any) -> FederatedTrainer:
+        """Build the trainer from its config, with the seed of ``seed_everything``."""
+        config = dict(self._get(self.config_init, "trainer", default={}))
+        seed = self._get(self.config, "seed_everything")
+        config["seed"] = int(seed) if not isinstance(seed, bool) else 0
+        trainer = self.trainer_class(**config, **kwargs)
+        sub = self.subcommand
+        trainer.config_yaml = self._subcommand_parsers[sub].dump(self.config[sub], skip_none=False)
+        return trainer
+
+
+def main(args: list[str] | None = None) -> None:
+    """Entry point; user errors become one line on stderr and exit status 2."""
+    try:
+        FederatedCLI(args=args)
+    except FedShardError as e:
+        sys.stderr.write(f"error: {_one_line(str(e))}\n")
+        raise SystemExit(2) from None
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted\n")
+        raise SystemExit(130) from None
+

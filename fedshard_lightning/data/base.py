@@ -1,0 +1,200 @@
+"""The federated datamodule: one training tensor, a client partition of its indices, a test set.
+
+Data lives on the compute device as one tensor in its native storage type (uint8 for images), and
+batches for many clients are gathered by index at once (``gather``), so K clients never cost K
+float copies of the data. Subclasses only say how to read their files (``load_split``) and, for
+downloads, what to fetch (``prepare_data``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from typing import Literal
+
+import lightning as L
+import numpy as np
+import torch
+from torch import Tensor
+
+from fedshard_lightning.data.partition import dirichlet_partition, iid_partition, label_split_partition
+from fedshard_lightning.errors import ConfigError
+
+__all__ = ["FederatedDataModule"]
+
+Partition = Literal["iid", "dirichlet", "label_split"]
+
+
+class FederatedDataModule(L.LightningDataModule):
+    """Base class of every dataset: partition into clients, normalise on gather.
+
+    Subclasses implement :meth:`load_split` and may set ``mean``/``std`` (per channel for images,
+    per feature or scalar for vectors) and override :meth:`prepare_data` to download.
+
+    Args:
+        num_clients: Number of clients K.
+        partition: ``iid``, ``dirichlet`` (NIID-Bench label-dir with concentration ``rho``) or
+            ``label_split`` (two client groups on disjoint halves of the labels).
+        rho: Dirichlet concentration; smaller is more skewed.
+        min_client_size: Every client holds at least this many training samples.
+        label_split_fraction: Share of clients in the first group of ``label_split``.
+        holdout_fraction: Share of each client's samples kept out of training as its own held-out
+            set (per-client accuracy for the fairness metrics); 0 disables it.
+        seed: Seed of the partition (independent of the training seed).
+        data_dir: Folder that holds (or receives) the dataset files.
+        download: Fetch missing files in ``prepare_data``.
+    """
+
+    mean: Sequence[float] | float | None = None
+    std: Sequence[float] | float | None = None
+
+    def __init__(
+        self,
+        num_clients: int = 32,
+        partition: Partition = "dirichlet",
+        rho: float = 0.5,
+        min_client_size: int = 10,
+        label_split_fraction: float = 0.75,
+        holdout_fraction: float = 0.0,
+        seed: int = 0,
+        data_dir: str = "data",
+        download: bool = False,
+    ) -> None:
+        super().__init__()
+        if not isinstance(num_clients, int) or num_clients < 1:
+            raise ConfigError(f"data.num_clients={num_clients!r}: must be a positive integer")
+        if partition not in ("iid", "dirichlet", "label_split"):
+            raise ConfigError(f"data.partition={partition!r}: choose one of iid, dirichlet, label_split")
+        if partition == "dirichlet" and not rho > 0:
+            raise ConfigError(f"data.rho={rho}: the Dirichlet concentration must be > 0 (e.g. 0.1 or 0.5)")
+        if min_client_size < 1:
+            raise ConfigError(f"data.min_client_size={min_client_size}: must be >= 1")
+        if not 0 <= holdout_fraction < 1:
+            raise ConfigError(f"data.holdout_fraction={holdout_fraction}: must be in [0, 1)")
+        self.num_clients = num_clients
+        self.partition = partition
+        self.rho = rho
+        self.min_client_size = min_client_size
+        self.label_split_fraction = label_split_fraction
+        self.holdout_fraction = holdout_fraction
+        self.seed = seed
+        self.data_dir = data_dir
+        self.download = download
+        self._ready = False
+        self.train_x: Tensor
+        self.train_y: Tensor
+        self.test_x: Tensor
+        self.test_y: Tensor
+        self.client_indices: list[Tensor] = []
+        self.holdout_indices: list[Tensor] = []
+
+    # -- what subclasses provide -------------------------------------------------------------
+    def load_split(self, train: bool) -> tuple[Tensor, Tensor]:
+        """Return the raw samples (native dtype, e.g. uint8 [N, C, H, W]) and int64 labels [N]."""
+        raise NotImplementedError(f"{type(self).__name__} must implement load_split(train)")
+
+    def hparams_for_fingerprint(self) -> dict:
+        """Settings that change the data; part of the cache fingerprint."""
+        return {
+            "class": f"{type(self).__module__}.{type(self).__qualname__}",
+            "num_clients": self.num_clients,
+            "partition": self.partition,
+            "rho": self.rho,
+            "min_client_size": self.min_client_size,
+            "label_split_fraction": self.label_split_fraction,
+            "holdout_fraction": self.holdout_fraction,
+            "seed": self.seed,
+        }
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def setup(self, stage: str | None = None) -> None:
+        """Load both splits and draw the client partition (idempotent)."""
+        if self._ready:
+            return
+        train_x, train_y = self.load_split(train=True)
+        test_x, test_y = self.load_split(train=False)
+        self.train_x, self.train_y = train_x, train_y.long()
+        self.test_x, self.test_y = test_x, test_y.long()
+        rng = np.random.default_rng(self.seed)
+        labels = self.train_y.cpu().numpy()
+        if self.partition == "iid":
+            parts = iid_partition(len(labels), self.num_clients, rng)
+        elif self.partition == "dirichlet":
+            parts = dirichlet_partition(labels, self.num_clients, self.rho, self.min_client_size, rng)
+        else:
+            parts = label_split_partition(labels, self.num_clients, self.label_split_fraction, rng)
+        train_parts, holdout_parts = [], []
+        for part in parts:
+            if self.holdout_fraction > 0 and len(part) > 1:
+                shuffled = rng.permutation(part)
+                n_hold = min(max(int(round(len(part) * self.holdout_fraction)), 1), len(part) - 1)
+                holdout_parts.append(np.sort(shuffled[:n_hold]))
+                train_parts.append(np.sort(shuffled[n_hold:]))
+            else:
+                train_parts.append(part)
+                holdout_parts.append(part[:0])
+        self.client_indices = [torch.as_tensor(p, dtype=torch.long) for p in train_parts]
+        self.holdout_indices = [torch.as_tensor(p, dtype=torch.long) for p in holdout_parts]
+        self._ready = True
+
+    def to(self, device: torch.device | str) -> FederatedDataModule:
+        """Move the data tensors (not copies per client) to ``device``."""
+        self.setup()
+        self.train_x, self.train_y = self.train_x.to(device), self.train_y.to(device)
+        self.test_x, self.test_y = self.test_x.to(device), self.test_y.to(device)
+        return self
+
+    # -- access ------------------------------------------------------------------------------
+    @property
+    def num_classes(self) -> int:
+        """Number of distinct labels over both splits."""
+        self.setup()
+        return int(max(int(self.train_y.max()), int(self.test_y.max())) + 1)
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        """Shape of one sample."""
+        self.setup()
+        return tuple(self.train_x.shape[1:])
+
+    @property
+    def client_sizes(self) -> list[int]:
+        """Training samples per client."""
+        self.setup()
+        return [len(i) for i in self.client_indices]
+
+    def transform(self, x: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+        """Convert raw samples to normalised floats; works on any leading batch dimensions."""
+        scale = 255.0 if x.dtype == torch.uint8 else 1.0
+        out = x.to(dtype)
+        if scale != 1.0:
+            out = out / scale
+        if self.mean is not None:
+            mean = torch.as_tensor(self.mean, dtype=dtype, device=x.device)
+            std = torch.as_tensor(self.std if self.std is not None else 1.0, dtype=dtype, device=x.device)
+            sample_dims = len(self.train_x.shape) - 1
+            if mean.ndim == 1 and sample_dims == 3:  # per-channel on [.., C, H, W]
+                mean, std = mean[:, None, None], std[:, None, None]
+            out = (out - mean) / std
+        return out
+
+    def gather(self, indices: Tensor, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+        """Training samples and labels at ``indices`` (any shape), normalised."""
+        return self.transform(self.train_x[indices], dtype), self.train_y[indices]
+
+    def test_data(self, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+        """The whole test set, normalised."""
+        self.setup()
+        return self.transform(self.test_x, dtype), self.test_y
+
+    def fingerprint(self) -> str:
+        """Hash of the settings, the labels and the partition: a cache made on other data is refused."""
+        self.setup()
+        h = hashlib.sha256(json.dumps(self.hparams_for_fingerprint(), sort_keys=True).encode())
+        h.update(self.train_y.cpu().numpy().astype(np.int64).tobytes())
+        h.update(np.asarray(self.train_x.shape, dtype=np.int64).tobytes())
+        for part in self.client_indices:
+            h.update(part.cpu().numpy().astype(np.int64).tobytes())
+            h.update(b"|")
+        return h.hexdigest()[:32]

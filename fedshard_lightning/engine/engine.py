@@ -1,0 +1,288 @@
+"""The engine: FedAvg of many groups of clients at once (SPEC sections 2-3).
+
+"Train these groups, each from its initial model, over its clients, for its number of rounds."
+Every algorithm (FedShard's stages, plain FedAvg, the unlearning baselines) is built on
+:meth:`FederatedEngine.train_groups`; none writes its own training loop. In each round the
+participants of all still-active groups train together (stacked, in memory-sized chunks), then
+each group averages its participants weighted by their sample counts.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from fedshard_lightning.data.base import FederatedDataModule
+from fedshard_lightning.engine.keys import sample_participants
+from fedshard_lightning.engine.local import ClientBatch, LocalResult, LocalTrainer
+from fedshard_lightning.engine.optim import optimizer_spec
+from fedshard_lightning.engine.schedule import LocalSchedule
+from fedshard_lightning.errors import ConfigError, NonFiniteLossError
+
+__all__ = ["FederatedEngine", "Group", "RoundInfo", "TrainResult", "stack_params", "unstack_params"]
+
+Vectorize = Literal["auto", "always", "never"]
+
+
+@dataclass(frozen=True)
+class Group:
+    """A set of clients trained together by FedAvg (a shard, or all clients for plain FedAvg).
+
+    Args:
+        key: Stable identifier used in the keyed randomness (the shard's index in its stage).
+        clients: Client ids.
+        rounds: FedAvg rounds for this group.
+    """
+
+    key: int
+    clients: tuple[int, ...]
+    rounds: int
+
+
+@dataclass
+class RoundInfo:
+    """What happened in one round, passed to ``on_round_end``."""
+
+    stage: int
+    round: int
+    active: list[int]
+    participants: list[list[int]]
+    mean_loss: list[float]
+    client_steps: int
+    seconds: float
+    start_params: dict[str, Tensor] | None = None
+    client_params: dict[str, Tensor] | None = None
+    client_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class TrainResult:
+    """Final group models [G, ...], cost counters and the per-round record."""
+
+    params: dict[str, Tensor]
+    client_steps: int
+    group_client_steps: list[int]
+    rounds_run: list[int]
+    seconds: float
+    history: list[RoundInfo]
+
+
+def stack_params(models: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
+    """Stack a list of state dicts along a new leading dimension."""
+    return {k: torch.stack([m[k] for m in models]) for k in models[0]}
+
+
+def unstack_params(params: dict[str, Tensor], i: int) -> dict[str, Tensor]:
+    """Row ``i`` of stacked parameters, as a state dict."""
+    return {k: v[i] for k, v in params.items()}
+
+
+class FederatedEngine:
+    """Vectorized FedAvg over groups, with a per-client loop of the same math as reference.
+
+    Args:
+        module: The user's model (a :class:`~fedshard_lightning.module.FederatedModule`), already
+            on its device and dtype.
+        datamodule: The set-up datamodule; its tensors on the module's device.
+        schedule: Batch size and local epochs/steps.
+        seed: Training seed of the keyed randomness.
+        client_fraction: Share of a group's clients sampled (without replacement) in each round.
+        vectorize: ``always`` (stacked), ``never`` (per-client loop) or ``auto`` (time both once on
+            this model and device, keep the faster).
+        max_chunk_clients: Clients trained together at most; ``None`` derives it from the budget.
+        memory_budget_mb: Memory the stacked clients of one chunk may use (an estimate).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        datamodule: FederatedDataModule,
+        schedule: LocalSchedule,
+        seed: int = 0,
+        client_fraction: float = 1.0,
+        vectorize: Vectorize = "auto",
+        max_chunk_clients: int | None = None,
+        memory_budget_mb: float = 2048.0,
+    ) -> None:
+        if not 0 < client_fraction <= 1:
+            raise ConfigError(f"client_fraction={client_fraction}: must be in (0, 1]")
+        if vectorize not in ("auto", "always", "never"):
+            raise ConfigError(f"vectorize={vectorize!r}: choose auto, always or never")
+        if max_chunk_clients is not None and max_chunk_clients < 1:
+            raise ConfigError(f"max_chunk_clients={max_chunk_clients}: must be >= 1 or null")
+        self.module = module
+        self.dm = datamodule
+        self.schedule = schedule
+        self.seed = int(seed)
+        self.client_fraction = float(client_fraction)
+        self.vectorize = vectorize
+        self.names = [n for n, p in module.named_parameters() if p.requires_grad]
+        self.spec = optimizer_spec(module, self.names)
+        self.local = LocalTrainer(module, datamodule, schedule, self.spec, self.names, self.seed)
+        self.sizes = np.asarray(datamodule.client_sizes, dtype=np.int64)
+        self._mode: str | None = {"always": "stacked", "never": "loop"}.get(vectorize)
+        self.chunk = max_chunk_clients or self._chunk_from_budget(memory_budget_mb)
+        self.participants_fn: Callable[[int, Group, int], list[int]] | None = None
+
+    # -- parameters ------------------------------------------------------------------------------
+    def module_params(self) -> dict[str, Tensor]:
+        """The module's current trainable parameters (detached copies)."""
+        named = dict(self.module.named_parameters())
+        return {n: named[n].detach().clone() for n in self.names}
+
+    def _chunk_from_budget(self, budget_mb: float) -> int:
+        p = next(self.module.parameters())
+        n_params = sum(v.numel() for n, v in self.module.named_parameters() if v.requires_grad)
+        sample = math.prod(self.dm.input_shape)
+        per_client = p.element_size() * (6 * n_params + 64 * self.schedule.batch_size * sample)
+        return max(1, int(budget_mb * 2**20 // per_client))
+
+    def client_steps_of(self, clients: Sequence[int]) -> int:
+        """Optimizer steps these clients take in one round (the cost unit)."""
+        return int(sum(self.schedule.num_steps(int(self.sizes[c])) for c in clients))
+
+    def participants(self, stage: int, group: Group, round_: int) -> list[int]:
+        """Keyed per-round sample of a group's clients (overridable by ``participants_fn``)."""
+        if self.participants_fn is not None:
+            return self.participants_fn(stage, group, round_)
+        return sample_participants(group.clients, self.client_fraction, self.seed, stage, group.key, round_)
+
+    # -- local training --------------------------------------------------------------------------
+    def _run_local(self, start: dict[str, Tensor], batch: ClientBatch) -> LocalResult:
+        if self._mode is None:
+            self._mode = self._probe(start, batch)
+        if self._mode == "stacked":
+            return self.local.train_stacked(start, batch)
+        return self.local.train_loop(start, batch)
+
+    def _probe(self, start: dict[str, Tensor], batch: ClientBatch) -> str:
+        """Time one round of a few clients both ways (results discarded); keep the faster."""
+        k = min(len(batch.clients), 8)
+        sub = ClientBatch(batch.clients[:k], batch.groups[:k], batch.stage, batch.round)
+        sub_start = {n: v[:k] for n, v in start.items()}
+        timings = {}
+        for mode, fn in (("stacked", self.local.train_stacked), ("loop", self.local.train_loop)):
+            fn(sub_start, sub)  # warm-up
+            t = time.perf_counter()
+            fn(sub_start, sub)
+            timings[mode] = time.perf_counter() - t
+        return min(timings, key=timings.get)
+
+    @property
+    def mode(self) -> str | None:
+        """``stacked`` or ``loop`` once decided."""
+        return self._mode
+
+    # -- FedAvg over groups ----------------------------------------------------------------------
+    def train_groups(
+        self,
+        init: dict[str, Tensor],
+        groups: Sequence[Group],
+        stage: int = 0,
+        on_round_end: Callable[[RoundInfo, dict[str, Tensor]], Sequence[bool] | None] | None = None,
+        keep_client_params: bool = False,
+    ) -> TrainResult:
+        """FedAvg of every group from its row of ``init`` for its own number of rounds.
+
+        Args:
+            init: Initial models stacked [G, ...], one row per group.
+            groups: The groups, in the order of ``init``'s rows.
+            stage: Stage number (part of the randomness key).
+            on_round_end: Called after each round with the round's record and the current group
+                models; may return one bool per group, True to stop that group early (the
+                rounds actually run are reported in ``rounds_run``).
+            keep_client_params: Put the participants' final and start parameters in the record.
+        """
+        t0 = time.perf_counter()
+        state = {k: v.clone() for k, v in init.items()}
+        G = len(groups)
+        stopped = [False] * G
+        rounds_run = [0] * G
+        group_steps = [0] * G
+        history: list[RoundInfo] = []
+        max_rounds = max((g.rounds for g in groups), default=0)
+        for r in range(max_rounds):
+            active = [i for i, g in enumerate(groups) if r < g.rounds and not stopped[i] and g.clients]
+            if not active:
+                break
+            tr = time.perf_counter()
+            parts = [self.participants(stage, groups[i], r) for i in active]
+            clients = [c for p in parts for c in p]
+            owner = [i for i, p in zip(active, parts) for _ in p]
+            acc = {k: torch.zeros_like(v) for k, v in state.items()}
+            weight = torch.zeros(G, dtype=torch.float64)
+            loss_sum = torch.zeros(G, dtype=torch.float64)
+            step_count = np.zeros(G, dtype=np.int64)
+            kept: list[LocalResult] = []
+            for lo in range(0, len(clients), self.chunk):
+                cl, ow = clients[lo : lo + self.chunk], owner[lo : lo + self.chunk]
+                own_t = torch.as_tensor(ow, device=next(iter(state.values())).device)
+                start = {k: v.index_select(0, own_t) for k, v in state.items()}
+                res = self._run_local(start, ClientBatch(cl, [groups[i].key for i in ow], stage, r))
+                self._check_finite(res, cl, ow, groups, stage, r)
+                n = torch.as_tensor(self.sizes[cl], dtype=state[self.names[0]].dtype, device=own_t.device)
+                for k in acc:
+                    w = n.view(-1, *([1] * (res.params[k].ndim - 1)))
+                    acc[k].index_add_(0, own_t, res.params[k] * w)
+                weight.index_add_(0, own_t.cpu(), n.cpu().double())
+                loss_sum.index_add_(0, own_t.cpu(), res.loss_sum.detach().cpu().double())
+                np.add.at(step_count, ow, res.steps)
+                if keep_client_params:
+                    kept.append(res)
+            before = {k: v.clone() for k, v in state.items()} if keep_client_params else None
+            act_t = torch.as_tensor(active, device=next(iter(state.values())).device)
+            for k in state:
+                wk = weight[active].to(state[k]).view(-1, *([1] * (state[k].ndim - 1)))
+                state[k].index_copy_(0, act_t, acc[k].index_select(0, act_t) / wk)
+            steps_this = int(step_count.sum())
+            for i in active:
+                rounds_run[i] += 1
+                group_steps[i] += int(step_count[i])
+            info = RoundInfo(
+                stage=stage,
+                round=r,
+                active=active,
+                participants=parts,
+                mean_loss=[float(loss_sum[i] / max(step_count[i], 1)) for i in active],
+                client_steps=steps_this,
+                seconds=time.perf_counter() - tr,
+                start_params=before,
+                client_params=(
+                    {k: torch.cat([x.params[k] for x in kept]) for k in self.names} if keep_client_params else None
+                ),
+                client_ids=clients,
+            )
+            history.append(info)
+            if on_round_end is not None:
+                stop = on_round_end(info, state)
+                if stop is not None:
+                    for i, s in enumerate(stop):
+                        stopped[i] = stopped[i] or bool(s)
+        return TrainResult(
+            params=state,
+            client_steps=int(sum(group_steps)),
+            group_client_steps=group_steps,
+            rounds_run=rounds_run,
+            seconds=time.perf_counter() - t0,
+            history=history,
+        )
+
+    @staticmethod
+    def _check_finite(
+        res: LocalResult, clients: list[int], owner: list[int], groups: Sequence[Group], stage: int, r: int
+    ) -> None:
+        finite = torch.isfinite(res.loss_sum)
+        if bool(finite.all()):
+            return
+        j = int((~finite).nonzero()[0])
+        raise NonFiniteLossError(
+            f"non-finite training loss at stage {stage}, shard {groups[owner[j]].key}, round {r}, client {clients[j]}; "
+            "lower model.lr or check the client's data"
+        )

@@ -1,0 +1,158 @@
+"""The model contract of fedshard_lightning: a LightningModule that the engine can vectorize.
+
+The engine trains many clients at once by stacking their parameters and calling the model under
+``torch.func.vmap``. That works for any model whose training step is a pure function of its
+parameters and the batch. :class:`FederatedModule` states the contract and checks what can be
+checked:
+
+* ``forward(x)`` maps a batch of inputs to logits.
+* ``training_step(batch, batch_idx)`` returns a scalar loss and logs nothing (it runs under vmap;
+  ``self.log`` there raises :class:`~fedshard_lightning.errors.ContractError`). The default
+  averages :meth:`per_sample_loss`.
+* ``configure_optimizers()`` returns one element-wise torch optimizer (SGD, Adam, AdamW, ...),
+  without a learning-rate scheduler; the engine re-creates it fresh in every round.
+* Layers must not keep running statistics (use GroupNorm, not BatchNorm) and must not draw random
+  numbers in the training step (no dropout), so that a client's result is a function of its data.
+
+Subclass example (a new model is a class plus a config entry)::
+
+    class TinyNet(FederatedModule):
+        def __init__(self, hidden: int = 32, **kwargs):
+            super().__init__(**kwargs)
+            self.hidden = hidden
+
+        def configure_model(self) -> None:  # called once the data's shape is known
+            if self.net is None:
+                self.net = nn.Sequential(nn.Flatten(), nn.LazyLinear(self.hidden), nn.ReLU(),
+                                         nn.Linear(self.hidden, self.num_classes))
+
+        def forward(self, x):
+            return self.net(x)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fedshard_lightning.errors import ConfigError, ContractError
+
+__all__ = ["FederatedModule"]
+
+
+class FederatedModule(L.LightningModule):
+    """Base class of every model trained by the federated engine.
+
+    Args:
+        optimizer: Client optimizer of the default ``configure_optimizers``: ``sgd``, ``adam`` or ``adamw``.
+        lr: Client learning rate.
+        momentum: SGD momentum (ignored by Adam/AdamW).
+        weight_decay: L2 penalty (decoupled for AdamW).
+        num_classes: Number of output classes; ``None`` takes it from the datamodule.
+        input_shape: Shape of one input sample; ``None`` takes it from the datamodule.
+    """
+
+    def __init__(
+        self,
+        optimizer: Literal["sgd", "adam", "adamw"] = "sgd",
+        lr: float = 0.05,
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+        num_classes: int | None = None,
+        input_shape: Sequence[int] | None = None,
+    ) -> None:
+        super().__init__()
+        if optimizer not in ("sgd", "adam", "adamw"):
+            raise ConfigError(f"model.optimizer={optimizer!r}: choose sgd, adam or adamw")
+        if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+            raise ConfigError(f"model.lr={lr!r}: the learning rate must be a positive number")
+        if momentum < 0 or weight_decay < 0:
+            raise ConfigError("model.momentum and model.weight_decay must be >= 0")
+        self.optimizer_name = optimizer
+        self.lr = float(lr)
+        self.momentum = float(momentum)
+        self.weight_decay = float(weight_decay)
+        self.num_classes = num_classes
+        self.input_shape = tuple(input_shape) if input_shape is not None else None
+        self._in_federated_step = False
+
+    # -- shapes ----------------------------------------------------------------------------------
+    def bind_data(self, input_shape: Sequence[int], num_classes: int) -> None:
+        """Fill in shapes the config left open, then build the layers (``configure_model``)."""
+        if self.input_shape is None:
+            self.input_shape = tuple(int(s) for s in input_shape)
+        if self.num_classes is None:
+            self.num_classes = int(num_classes)
+        self.configure_model()
+        if not any(True for _ in self.parameters()):
+            raise ContractError(f"{type(self).__name__} has no parameters after configure_model()")
+        with torch.no_grad():  # materialise lazy layers with a dry run
+            self.eval()
+            self(torch.zeros(1, *self.input_shape, dtype=self.param_dtype))
+            self.train()
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """Floating dtype of the parameters (float32 unless the user converted the model)."""
+        for p in self.parameters():
+            if p.is_floating_point() and not isinstance(p, nn.parameter.UninitializedParameter):
+                return p.dtype
+        return torch.get_default_dtype()
+
+    # -- the contract ----------------------------------------------------------------------------
+    def per_sample_loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
+        """Loss of every sample of the batch, shape [b] (cross entropy by default)."""
+        x, y = batch
+        return F.cross_entropy(self(x), y, reduction="none")
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int = 0) -> Tensor:
+        """Mean loss of the batch; pure, logs nothing (it runs under vmap)."""
+        return self.per_sample_loss(batch).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        """The client optimizer, re-created fresh by the engine in every round."""
+        if self.optimizer_name == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
+        if self.optimizer_name == "adam":
+            return torch.optim.Adam(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
+
+    def _eval_step(self, batch: tuple[Tensor, Tensor], prefix: str) -> Tensor:
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits, y)
+        self.log(f"{prefix}_loss", loss)
+        self.log(f"{prefix}_acc", (logits.argmax(-1) == y).float().mean())
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        """Ordinary Lightning validation (outside the federated engine)."""
+        return self._eval_step(batch, "val")
+
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        """Ordinary Lightning test (outside the federated engine)."""
+        return self._eval_step(batch, "test")
+
+    def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        """Lightning's ``log``, refused inside the federated training step."""
+        if self._in_federated_step:
+            raise ContractError(
+                f"{type(self).__name__}.training_step calls self.log({name!r}): the federated training step runs "
+                "under vmap and must be pure; remove the call (the engine logs client losses itself)"
+            )
+        super().log(name, value, *args, **kwargs)
+
+    def log_dict(self, dictionary: Any, *args: Any, **kwargs: Any) -> None:
+        """Lightning's ``log_dict``, refused inside the federated training step."""
+        if self._in_federated_step:
+            raise ContractError(
+                f"{type(self).__name__}.training_step calls self.log_dict: the federated training step must be "
+                "pure; remove the call"
+            )
+        super().log_dict(dictionary, *args, **kwargs)

@@ -1,0 +1,35 @@
+"""Shared fixtures: tiny data, tiny models, isolated run and W&B directories."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+@pytest.fixture(autouse=True)
+def _isolate(tmp_path, monkeypatch):
+    """Restore global torch state and keep W&B offline inside the test's folder."""
+    dtype = torch.get_default_dtype()
+    for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_CONFIG_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "wandb"))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    yield
+    torch.set_default_dtype(dtype)
+
+
+@pytest.fixture
+def run_root(tmp_path) -> Path:
+    """A fresh default_root_dir."""
+    path = tmp_path / "runs"
+    path.mkdir()
+    return path
+
+
+os.environ.setdefault("PYTHONHASHSEED", "0")

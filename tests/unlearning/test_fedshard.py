@@ -1,0 +1,156 @@
+"""FedShard training and exact unlearning (SPEC sections 2, 6, 7)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from _fedshard_helpers import audit, fit, loaded, make, stage_models, unlearn
+
+from fedshard_lightning.cache import FLCache
+from fedshard_lightning.errors import CacheError, UnlearningRequestError
+
+
+def _retrained(report):
+    return {(r["stage"], r["shard"]) for r in report["retrained_shards"]}
+
+
+def test_exact_unlearning_single_then_multi(run_root):
+    run = fit(run_root, k=8)
+    before = stage_models(loaded(run_root, run))
+    rep = unlearn(run_root, run, [3])
+    assert rep["predicted_client_steps"] == rep["client_steps"] > 0
+    assert len(_retrained(rep)) == 3  # one shard per stage, P = 3
+    after_alg = loaded(run_root, run)
+    after = stage_models(after_alg)
+    for p, (b, a) in enumerate(zip(before, after), start=1):
+        for i in range(next(iter(b.values())).shape[0]):
+            same = all(torch.equal(b[k][i], a[k][i]) for k in b)
+            assert same == ((p, i) not in _retrained(rep)), (p, i)
+    res = audit(run_root, run)
+    assert res["passed"] and res["max_abs_diff"] <= 1e-10
+    rep2 = unlearn(run_root, run, [0, 6])
+    assert rep2["predicted_client_steps"] == rep2["client_steps"]
+    res = audit(run_root, run)
+    assert res["passed"] and res["final_max_abs_diff"] <= 1e-10
+    assert loaded(run_root, run).unlearned == [0, 3, 6]
+    assert (run / "unlearning" / "0002" / "report.json").is_file()
+    assert json.loads((run / "unlearn_report.json").read_text())["clients"] == [0, 6]
+
+
+def test_request_that_empties_a_stage1_shard(run_root):
+    run = fit(run_root, k=8, fixed_rounds=1)
+    alg = loaded(run_root, run, fixed_rounds=1)
+    pair = alg.records[0][1].clients
+    rep = unlearn(run_root, run, pair, fixed_rounds=1)
+    assert {"stage": 1, "shard": 1} in rep["empty_shards"]
+    assert rep["predicted_client_steps"] == rep["client_steps"]
+    res = audit(run_root, run, fixed_rounds=1)
+    assert res["passed"]
+
+
+def test_unequal_clients_sampling_and_samples_weighting_exact(run_root):
+    kw = dict(k=9, data_kw=dict(partition="dirichlet", rho=0.5, min_client_size=4), merge_rate=3,
+              client_fraction=0.6, merge_weighting="samples", rounds="a2", t0=1, t1=3)
+    run = fit(run_root, **kw)
+    rep = unlearn(run_root, run, [2, 7], **kw)
+    assert rep["predicted_client_steps"] == rep["client_steps"]
+    assert audit(run_root, run, **kw)["passed"]
+
+
+@pytest.mark.parametrize(("k", "r"), [(16, 2), (27, 3), (64, 2)])
+def test_cost_ratio_matches_closed_form(run_root, k, r):
+    kw = dict(k=k, per_client=4, merge_rate=r, fixed_rounds=1, local_steps=1, precision="32-true")
+    run = fit(run_root, **kw)
+    p = loaded(run_root, run, **kw).planned_stages
+    assert r**p == k
+    rep = unlearn(run_root, run, [k // 3], **kw)
+    assert rep["client_steps"] == sum(r**q - 1 for q in range(1, p + 1))
+    assert rep["retrain_client_steps"] == p * (k - 1)
+    assert rep["retrain_client_steps"] / rep["client_steps"] == pytest.approx(p * (k - 1) / sum(r**q - 1 for q in range(1, p + 1)))
+    assert rep["theoretical_r1"] == pytest.approx((r - 1) / r * k / (k - 1) * p)
+
+
+def test_resume_is_bit_identical(run_root, tmp_path):
+    full = fit(run_root, k=8, rounds="a2", t0=1, t1=3)
+    other_root = tmp_path / "other"
+    partial = fit(other_root, k=8, rounds="a2", t0=1, t1=3)
+    cache = FLCache(partial / "cache")
+    cache.set_current([v for v in cache.versions() if v.endswith("stage-1")][0])
+    trainer, model, dm = make(other_root, k=8, rounds="a2", t0=1, t1=3)
+    metrics = trainer.fit(model, dm, ckpt_path=str(partial))
+    assert metrics["resumed"]
+    a = FLCache(full / "cache").tensors("stage_3.safetensors")
+    b = FLCache(partial / "cache").tensors("stage_3.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_same_seed_bit_identical_other_seed_differs(run_root, tmp_path):
+    a = FLCache(fit(run_root, k=8) / "cache").tensors("stage_3.safetensors")
+    b = FLCache(fit(tmp_path / "b", k=8) / "cache").tensors("stage_3.safetensors")
+    c = FLCache(fit(tmp_path / "c", k=8, seed=1) / "cache").tensors("stage_3.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], c[k]) for k in a)
+
+
+@pytest.mark.parametrize("merge", ["a1", "random"])
+@pytest.mark.parametrize("rounds", ["fixed", "a2", "auto"])
+def test_ablation_settings_train_and_unlearn(run_root, merge, rounds):
+    kw = dict(k=8, merge=merge, rounds=rounds, t0=1, t1=3, precision="64-true")
+    run = fit(run_root, **kw)
+    alg = loaded(run_root, run, **kw)
+    for recs in alg.records:
+        for rec in recs:
+            assert 1 <= rec.rounds <= 3 if rounds != "fixed" else rec.rounds == 2
+    unlearn(run_root, run, [5], **kw)
+    assert audit(run_root, run, **kw)["passed"]
+
+
+@pytest.mark.parametrize(
+    ("clients", "pattern"),
+    [
+        ([99], "unknown client id 99"),
+        ([-1], "unknown client id -1"),
+        ([1, 1], "duplicate ids"),
+        ([], "at least one"),
+        (["a"], "not an integer"),
+        (list(range(8)), "every remaining client"),
+    ],
+)
+def test_bad_requests_leave_cache_untouched(run_root, clients, pattern):
+    run = fit(run_root, k=8, fixed_rounds=1)
+    snapshot = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    with pytest.raises(UnlearningRequestError, match=pattern):
+        unlearn(run_root, run, clients, fixed_rounds=1)
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and "journal" not in p.name} == {
+        p: b for p, b in snapshot.items()
+    }
+
+
+def test_already_applied_request_is_not_applied_twice(run_root):
+    run = fit(run_root, k=8, fixed_rounds=1)
+    unlearn(run_root, run, [2], fixed_rounds=1)
+    versions = FLCache(run / "cache").versions()
+    again = unlearn(run_root, run, [2], fixed_rounds=1)
+    assert again["already_applied"]
+    assert FLCache(run / "cache").versions() == versions
+
+
+def test_foreign_and_corrupt_caches_are_refused(run_root):
+    run = fit(run_root, k=8, fixed_rounds=1)
+    with pytest.raises(CacheError, match="another config or dataset"):
+        unlearn(run_root, run, [1], fixed_rounds=1, seed=7)
+    with pytest.raises(CacheError, match="another config or dataset"):
+        unlearn(run_root, run, [1], fixed_rounds=1, data_kw=dict(seed=3))
+    cache = FLCache(run / "cache")
+    stage_file = run / "cache" / cache.current() / "stage_2.safetensors"
+    data = bytearray(stage_file.read_bytes())
+    data[-3] ^= 0xFF
+    stage_file.chmod(0o644)
+    stage_file.write_bytes(bytes(data))
+    with pytest.raises(CacheError, match="checksum mismatch"):
+        unlearn(run_root, run, [1], fixed_rounds=1)
+    stage_file.write_bytes(bytes(data[: len(data) // 2]))
+    with pytest.raises(CacheError):
+        unlearn(run_root, run, [1], fixed_rounds=1)
