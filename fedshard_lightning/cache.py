@@ -31,7 +31,14 @@ from torch import Tensor
 
 from fedshard_lightning.errors import CacheError
 
-__all__ = ["FLCache", "atomic_write_bytes", "atomic_write_json", "atomic_save_tensors", "load_tensors", "sha256_file"]
+__all__ = [
+    "FLCache",
+    "atomic_save_tensors",
+    "atomic_write_bytes",
+    "atomic_write_json",
+    "load_tensors",
+    "sha256_file",
+]
 
 FORMAT = "fedshard-flcache/1"
 
@@ -73,7 +80,9 @@ def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
 
-def atomic_save_tensors(path: Path, tensors: dict[str, Tensor], metadata: dict[str, str] | None = None) -> str:
+def atomic_save_tensors(
+    path: Path, tensors: dict[str, Tensor], metadata: dict[str, str] | None = None
+) -> str:
     """Save with safetensors atomically; returns the file's SHA-256."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -86,13 +95,17 @@ def atomic_save_tensors(path: Path, tensors: dict[str, Tensor], metadata: dict[s
     return digest
 
 
-def load_tensors(path: Path, expected_sha256: str | None = None, device: str | torch.device = "cpu") -> dict[str, Tensor]:
+def load_tensors(
+    path: Path, expected_sha256: str | None = None, device: str | torch.device = "cpu"
+) -> dict[str, Tensor]:
     """Load a safetensors file (no pickle), checking its checksum first when given."""
     path = Path(path)
     if not path.is_file():
         raise CacheError(f"missing tensor file {path}; the run directory is incomplete or was moved")
     if expected_sha256 is not None and sha256_file(path) != expected_sha256:
-        raise CacheError(f"checksum mismatch for {path}: the file was modified or corrupted; refusing to load it")
+        raise CacheError(
+            f"checksum mismatch for {path}: the file was modified or corrupted; refusing to load it"
+        )
     try:
         return load_file(str(path), device=str(device))
     except (SafetensorError, OSError, ValueError) as e:
@@ -115,7 +128,9 @@ class FLCache:
         ptr = self._read_json(self.root / "CURRENT")
         version = ptr.get("version")
         if not isinstance(version, str) or not (self.root / version / "manifest.json").is_file():
-            raise CacheError(f"{self.root}/CURRENT points to a missing version {version!r}; the cache is damaged")
+            raise CacheError(
+                f"{self.root}/CURRENT points to a missing version {version!r}; the cache is damaged"
+            )
         if sha256_file(self.root / version / "manifest.json") != ptr.get("manifest_sha256"):
             raise CacheError(f"{self.root}/{version}/manifest.json does not match its checksum in CURRENT")
         return version
@@ -131,10 +146,14 @@ class FLCache:
         version = version or self.current()
         data = self._read_json(self.root / version / "manifest.json")
         if data.get("format") != FORMAT:
-            raise CacheError(f"{self.root / version}/manifest.json is not an FLCache manifest (format {FORMAT})")
+            raise CacheError(
+                f"{self.root / version}/manifest.json is not an FLCache manifest (format {FORMAT})"
+            )
         return data
 
-    def tensors(self, name: str, version: str | None = None, device: str | torch.device = "cpu") -> dict[str, Tensor]:
+    def tensors(
+        self, name: str, version: str | None = None, device: str | torch.device = "cpu"
+    ) -> dict[str, Tensor]:
         """Tensors of file ``name`` in a version, verified against the manifest."""
         version = version or self.current()
         files = self.manifest(version).get("files", {})
@@ -157,7 +176,9 @@ class FLCache:
         try:
             data = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError):
-            raise CacheError(f"{path} is not valid JSON (truncated or replaced); the cache is damaged") from None
+            raise CacheError(
+                f"{path} is not valid JSON (truncated or replaced); the cache is damaged"
+            ) from None
         if not isinstance(data, dict):
             raise CacheError(f"{path} does not hold a JSON object")
         return data

@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from fedshard_lightning.data.base import FederatedDataModule
-from fedshard_lightning.errors import FedShardError
+from fedshard_lightning.errors import ConfigError, FedShardError
 from fedshard_lightning.module import FederatedModule
 from fedshard_lightning.trainer import FederatedTrainer
 
@@ -22,12 +22,24 @@ __all__ = ["FederatedCLI", "main"]
 DEFAULTS = {
     "model": {"class_path": "fedshard_lightning.models.MLP", "init_args": {"hidden": [64, 64]}},
     "data": {"class_path": "fedshard_lightning.data.DigitsDataModule"},
+    "trainer.algorithm": {"class_path": "fedshard_lightning.unlearning.FedShard"},
 }
 
 
 def _one_line(message: str, limit: int = 600) -> str:
     text = " ".join(str(message).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _innermost_reason(message: str) -> str:
+    """The most specific line of a jsonargparse Union error (the class's own message)."""
+    reasons = [
+        line.strip()[2:]
+        for line in message.splitlines()
+        if line.strip().startswith("- ")
+        and not line.strip()[2:].startswith(("Expected a", "Problem with given class_path"))
+    ]
+    return reasons[-1] if reasons else message
 
 
 class _Parser(LightningArgumentParser):
@@ -55,7 +67,8 @@ class FederatedCLI(LightningCLI):
         kwargs.setdefault("parser_class", _Parser)
         kwargs.setdefault("load_from_checkpoint_support", False)
         kwargs.setdefault(
-            "parser_kwargs", {"prog": "python -m fedshard_lightning", "description": "FedShard federated (un)learning"}
+            "parser_kwargs",
+            {"prog": "python -m fedshard_lightning", "description": "FedShard federated (un)learning"},
         )
         super().__init__(*args, **kwargs)
 
@@ -72,11 +85,25 @@ class FederatedCLI(LightningCLI):
     def add_core_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         """Trainer via ``add_class_arguments`` (it is not a Lightning Trainer), model and data as usual."""
         parser.add_class_arguments(
-            self.trainer_class, "trainer", instantiate=False, fail_untyped=False, sub_configs=True, skip={"seed"}
+            self.trainer_class,
+            "trainer",
+            instantiate=False,
+            fail_untyped=False,
+            sub_configs=True,
+            skip={"seed"},
         )
         parser.add_lightning_class_args(self._model_class, "model", subclass_mode=True)
         parser.add_lightning_class_args(self._datamodule_class, "data", subclass_mode=True)
         parser.set_defaults(DEFAULTS)
+
+    def instantiate_classes(self) -> None:
+        """Instantiate; a validation error raised inside a class's ``__init__`` becomes a ConfigError."""
+        try:
+            super().instantiate_classes()
+        except (ValueError, TypeError) as e:
+            if isinstance(e, FedShardError):
+                raise
+            raise ConfigError(_innermost_reason(str(e))) from None
 
     def instantiate_trainer(self, **kwargs: Any) -> FederatedTrainer:
         """Build the trainer from its config, with the seed of ``seed_everything``."""
@@ -85,7 +112,7 @@ class FederatedCLI(LightningCLI):
         config["seed"] = int(seed) if not isinstance(seed, bool) else 0
         trainer = self.trainer_class(**config, **kwargs)
         sub = self.subcommand
-        trainer.config_yaml = self._subcommand_parsers[sub].dump(self.config[sub], skip_none=False)
+        trainer.config_yaml = self._subcommand_parsers[sub].dump(self.config[sub])
         return trainer
 
 
@@ -99,4 +126,3 @@ def main(args: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")
         raise SystemExit(130) from None
-

@@ -118,7 +118,9 @@ class FederatedModule(L.LightningModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         """The client optimizer, re-created fresh by the engine in every round."""
         if self.optimizer_name == "sgd":
-            return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
+            return torch.optim.SGD(
+                self.parameters(), lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay
+            )
         if self.optimizer_name == "adam":
             return torch.optim.Adam(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
         return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)

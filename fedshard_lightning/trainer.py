@@ -28,7 +28,13 @@ import torch
 from lightning.fabric.loggers import CSVLogger, Logger
 from torch import Tensor
 
-from fedshard_lightning.cache import FLCache, atomic_save_tensors, atomic_write_bytes, atomic_write_json, load_tensors
+from fedshard_lightning.cache import (
+    FLCache,
+    atomic_save_tensors,
+    atomic_write_bytes,
+    atomic_write_json,
+    load_tensors,
+)
 from fedshard_lightning.callbacks import FederatedCallback, FLCacheCheckpoint, MetricsLogger, ProgressBar
 from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.engine import FederatedEngine, Group, LocalSchedule, RoundInfo, evaluate
@@ -97,10 +103,21 @@ class FederatedTrainer:
         if eval_every_n_rounds < 0:
             raise ConfigError(f"trainer.eval_every_n_rounds={eval_every_n_rounds}: must be >= 0")
         self.algorithm = algorithm
-        self.accelerator, self.devices, self.strategy, self.precision = accelerator, devices, strategy, precision
-        cbs = [] if callbacks is None else (list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks])
+        self.accelerator, self.devices, self.strategy, self.precision = (
+            accelerator,
+            devices,
+            strategy,
+            precision,
+        )
+        cbs = (
+            []
+            if callbacks is None
+            else (list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks])
+        )
         self.user_callbacks = cbs
-        self.user_loggers = [] if loggers is None else (list(loggers) if isinstance(loggers, (list, tuple)) else [loggers])
+        self.user_loggers = (
+            [] if loggers is None else (list(loggers) if isinstance(loggers, (list, tuple)) else [loggers])
+        )
         self.wandb, self.wandb_project, self.wandb_mode = wandb, wandb_project, wandb_mode
         self.default_root_dir = default_root_dir
         self.run_name = run_name
@@ -174,7 +191,9 @@ class FederatedTrainer:
         if not path.is_dir():
             raise CacheError(f"ckpt_path={ckpt_path!r}: no such run directory")
         if not (path / "cache").is_dir() and not (path / "model.safetensors").is_file():
-            raise CacheError(f"ckpt_path={ckpt_path!r} is not a fedshard_lightning run directory (no cache/ inside)")
+            raise CacheError(
+                f"ckpt_path={ckpt_path!r} is not a fedshard_lightning run directory (no cache/ inside)"
+            )
         return path
 
     def _loggers(self) -> list[Logger]:
@@ -216,7 +235,9 @@ class FederatedTrainer:
         if not isinstance(model, FederatedModule):
             raise ConfigError(f"model: expected a FederatedModule subclass, got {type(model).__name__}")
         if not isinstance(datamodule, FederatedDataModule):
-            raise ConfigError(f"data: expected a FederatedDataModule subclass, got {type(datamodule).__name__}")
+            raise ConfigError(
+                f"data: expected a FederatedDataModule subclass, got {type(datamodule).__name__}"
+            )
         self.run_dir = run_dir
         self._command = command
         self.cache = FLCache(run_dir / "cache")
@@ -276,7 +297,10 @@ class FederatedTrainer:
             "model": f"{type(self.module).__module__}.{type(self.module).__qualname__}",
             "params": {n: list(p.shape) for n, p in self.module.named_parameters()},
             "dtype": str(self.module.param_dtype),
-            "optimizer": [spec.cls.__name__, [(list(n), sorted((k, repr(v)) for k, v in hp.items())) for n, hp in spec.groups]],
+            "optimizer": [
+                spec.cls.__name__,
+                [(list(n), sorted((k, repr(v)) for k, v in hp.items())) for n, hp in spec.groups],
+            ],
             "algorithm": self.algorithm.hparams(),
             "seed": self.seed,
         }
@@ -322,7 +346,7 @@ class FederatedTrainer:
         self._client_steps += info.client_steps
         sizes = self.datamodule.client_sizes
         active_w = [sum(sizes[c] for c in p) for p in info.participants]
-        train_loss = sum(w * l for w, l in zip(active_w, info.mean_loss)) / max(sum(active_w), 1)
+        train_loss = sum(w * loss for w, loss in zip(active_w, info.mean_loss)) / max(sum(active_w), 1)
         metrics: dict[str, float] = {
             "stage": float(info.stage),
             "round": float(info.round),
@@ -334,9 +358,14 @@ class FederatedTrainer:
         self._global_round += 1
         if self.eval_every_n_rounds and self._global_round % self.eval_every_n_rounds == 0:
             weights = torch.tensor(
-                [float(sum(sizes[c] for c in g.clients)) for g in groups], dtype=torch.float64, device=self.device
+                [float(sum(sizes[c] for c in g.clients)) for g in groups],
+                dtype=torch.float64,
+                device=self.device,
             )
-            avg = {k: (v * (weights / weights.sum()).to(v).view(-1, *[1] * (v.ndim - 1))).sum(0) for k, v in state.items()}
+            avg = {
+                k: (v * (weights / weights.sum()).to(v).view(-1, *[1] * (v.ndim - 1))).sum(0)
+                for k, v in state.items()
+            }
             acc, loss = self.evaluate(avg)
             metrics.update(test_accuracy=acc, test_loss=loss)
         metrics["global_round"] = float(self._global_round)
@@ -419,11 +448,15 @@ class FederatedTrainer:
         )
         return metrics
 
-    def _load_run(self, model: FederatedModule, datamodule: FederatedDataModule, ckpt_path: str, command: str) -> None:
+    def _load_run(
+        self, model: FederatedModule, datamodule: FederatedDataModule, ckpt_path: str, command: str
+    ) -> None:
         run_dir = self._existing_run_dir(ckpt_path, command)
         self._setup(model, datamodule, run_dir, command)
         if not self.cache.exists():
-            raise CacheError(f"{run_dir} has no committed FLCache (cache/CURRENT); was fit interrupted before stage 1?")
+            raise CacheError(
+                f"{run_dir} has no committed FLCache (cache/CURRENT); was fit interrupted before stage 1?"
+            )
         self.algorithm.load_cache(self.cache)
         self.theta0 = self.algorithm.theta0
         self._recover_files()
@@ -479,7 +512,9 @@ class FederatedTrainer:
             self.module.load_state_dict(state, strict=True)
         except RuntimeError as e:
             first = str(e).splitlines()[0] if str(e) else "shape mismatch"
-            raise CacheError(f"{weights} does not match the configured model ({first}); use the run's config.yaml") from None
+            raise CacheError(
+                f"{weights} does not match the configured model ({first}); use the run's config.yaml"
+            ) from None
         params = self.algorithm.engine.module_params()
         acc, loss = self.evaluate(params)
         metrics = {"test_accuracy": acc, "test_loss": loss, "checkpoint": str(weights)}
@@ -489,14 +524,18 @@ class FederatedTrainer:
 
     def _validate_clients(self, clients: Any) -> list[int]:
         if isinstance(clients, (int, str)) or clients is None:
-            raise UnlearningRequestError(f"clients={clients!r}: give a list of client ids, e.g. --clients '[3, 17]'")
+            raise UnlearningRequestError(
+                f"clients={clients!r}: give a list of client ids, e.g. --clients '[3, 17]'"
+            )
         ids = list(clients)
         if not ids:
             raise UnlearningRequestError("clients=[]: name at least one client id to unlearn")
         k = self.algorithm.num_clients
         for c in ids:
             if isinstance(c, bool) or not isinstance(c, int):
-                raise UnlearningRequestError(f"clients: {c!r} is not an integer client id (valid ids: 0..{k - 1})")
+                raise UnlearningRequestError(
+                    f"clients: {c!r} is not an integer client id (valid ids: 0..{k - 1})"
+                )
             if not 0 <= c < k:
                 raise UnlearningRequestError(f"clients: unknown client id {c} (valid ids: 0..{k - 1})")
         dups = sorted({c for c in ids if ids.count(c) > 1})
@@ -522,15 +561,21 @@ class FederatedTrainer:
         if set(ids) <= done:
             for i, req in enumerate(self.requests, start=1):
                 if sorted(req["clients"]) == ids:
-                    self._print(f"unlearn: clients {ids} were already unlearned by request {i:04d}; nothing to do")
+                    self._print(
+                        f"unlearn: clients {ids} were already unlearned by request {i:04d}; nothing to do"
+                    )
                     return {**req, "already_applied": True}
             self._print(f"unlearn: clients {ids} were already unlearned; nothing to do")
             return {"clients": ids, "already_applied": True}
         again = sorted(set(ids) & done)
         if again:
-            raise UnlearningRequestError(f"clients: {again} were already unlearned by an earlier request; leave them out")
+            raise UnlearningRequestError(
+                f"clients: {again} were already unlearned by an earlier request; leave them out"
+            )
         if len(set(self.algorithm.active_clients) - set(ids)) == 0:
-            raise UnlearningRequestError("clients: the request would unlearn every remaining client; keep at least one")
+            raise UnlearningRequestError(
+                "clients: the request would unlearn every remaining client; keep at least one"
+            )
         number = len(self.requests) + 1
         self._journal({"event": "started", "request": number, "clients": ids})
         self.fabric.call("on_unlearn_start", self, clients=ids)

@@ -35,6 +35,8 @@ class ExplodingMLP(MLP):
     """Produces an infinite loss for client data containing label 3."""
 
     def training_step(self, batch, batch_idx=0):
-        x, y = batch
+        _, y = batch
         loss = super().training_step(batch, batch_idx)
-        return loss + torch.where((y == 3).any(), torch.tensor(float("inf"), dtype=loss.dtype), torch.zeros((), dtype=loss.dtype))
+        return loss + torch.where(
+            (y == 3).any(), torch.tensor(float("inf"), dtype=loss.dtype), torch.zeros((), dtype=loss.dtype)
+        )

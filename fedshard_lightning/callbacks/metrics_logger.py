@@ -21,7 +21,9 @@ class MetricsLogger(FederatedCallback):
 
     def on_round_end(self, trainer: Any, info: Any, metrics: dict[str, float]) -> None:
         """One logger row per round."""
-        trainer.fabric.log_dict({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=self.step)
+        trainer.fabric.log_dict(
+            {k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=self.step
+        )
         self.step += 1
 
     def on_stage_end(self, trainer: Any, stage: int, metrics: dict[str, float]) -> None:

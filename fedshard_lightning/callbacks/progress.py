@@ -54,7 +54,9 @@ class ProgressBar(FederatedCallback):
         if self._progress is None or self._task is None:
             return
         acc = metrics.get("test_accuracy")
-        status = f"loss {metrics.get('train_loss', float('nan')):.3f}" + (f" acc {acc:.3f}" if acc is not None else "")
+        status = f"loss {metrics.get('train_loss', float('nan')):.3f}" + (
+            f" acc {acc:.3f}" if acc is not None else ""
+        )
         self._progress.update(self._task, advance=1, status=status)
 
     def on_stage_end(self, trainer: Any, stage: int, metrics: dict[str, float]) -> None:

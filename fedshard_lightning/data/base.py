@@ -128,7 +128,7 @@ class FederatedDataModule(L.LightningDataModule):
         for part in parts:
             if self.holdout_fraction > 0 and len(part) > 1:
                 shuffled = rng.permutation(part)
-                n_hold = min(max(int(round(len(part) * self.holdout_fraction)), 1), len(part) - 1)
+                n_hold = min(max(round(len(part) * self.holdout_fraction), 1), len(part) - 1)
                 holdout_parts.append(np.sort(shuffled[:n_hold]))
                 train_parts.append(np.sort(shuffled[n_hold:]))
             else:

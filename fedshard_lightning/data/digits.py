@@ -43,6 +43,11 @@ class DigitsDataModule(FederatedDataModule):
             xtr, xte, ytr, yte = train_test_split(
                 x, y, test_size=self.test_fraction, random_state=self.seed, stratify=y
             )
-            self._cache = (torch.from_numpy(xtr), torch.from_numpy(ytr), torch.from_numpy(xte), torch.from_numpy(yte))
+            self._cache = (
+                torch.from_numpy(xtr),
+                torch.from_numpy(ytr),
+                torch.from_numpy(xte),
+                torch.from_numpy(yte),
+            )
         xtr, ytr, xte, yte = self._cache
         return (xtr, ytr) if train else (xte, yte)

@@ -58,10 +58,7 @@ def dirichlet_partition(
             p = rng.dirichlet(np.full(num_clients, rho))
             p = p * (sizes < n / num_clients)
             total = p.sum()
-            if total <= 0:
-                p = np.full(num_clients, 1.0 / num_clients)
-            else:
-                p = p / total
+            p = np.full(num_clients, 1.0 / num_clients) if total <= 0 else p / total
             cuts = (np.cumsum(p) * len(idx)).astype(np.int64)[:-1]
             for c, chunk in enumerate(np.split(idx, cuts)):
                 parts[c].extend(chunk.tolist())
@@ -85,7 +82,7 @@ def label_split_partition(
     if len(classes) < 2:
         raise DataError("label_split needs at least two classes in the training data")
     first_classes = classes[: len(classes) // 2]
-    k_first = int(round(num_clients * fraction))
+    k_first = round(num_clients * fraction)
     k_first = min(max(k_first, 1), num_clients - 1)
     if num_clients < 2:
         raise ConfigError(f"num_clients={num_clients}: label_split needs at least 2 clients")

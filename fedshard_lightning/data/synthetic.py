@@ -72,4 +72,8 @@ class SyntheticDataModule(FederatedDataModule):
         if self._data is None:
             self._data = self._generate()
         x, y = self._data
-        return (x[: self.num_samples], y[: self.num_samples]) if train else (x[self.num_samples :], y[self.num_samples :])
+        return (
+            (x[: self.num_samples], y[: self.num_samples])
+            if train
+            else (x[self.num_samples :], y[self.num_samples :])
+        )

@@ -1,6 +1,13 @@
 """Vectorized FedAvg engine: stacked clients, keyed randomness, per-client loop reference."""
 
-from fedshard_lightning.engine.engine import FederatedEngine, Group, RoundInfo, TrainResult, stack_params, unstack_params
+from fedshard_lightning.engine.engine import (
+    FederatedEngine,
+    Group,
+    RoundInfo,
+    TrainResult,
+    stack_params,
+    unstack_params,
+)
 from fedshard_lightning.engine.evaluate import evaluate, evaluate_stacked, predict_logits
 from fedshard_lightning.engine.schedule import LocalSchedule
 

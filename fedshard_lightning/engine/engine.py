@@ -255,7 +255,9 @@ class FederatedEngine:
                 seconds=time.perf_counter() - tr,
                 start_params=before,
                 client_params=(
-                    {k: torch.cat([x.params[k] for x in kept]) for k in self.names} if keep_client_params else None
+                    {k: torch.cat([x.params[k] for x in kept]) for k in self.names}
+                    if keep_client_params
+                    else None
                 ),
                 client_ids=clients,
             )

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
-__all__ = ["predict_logits", "evaluate", "evaluate_stacked"]
+__all__ = ["evaluate", "evaluate_stacked", "predict_logits"]
 
 
 @torch.no_grad()
@@ -17,7 +17,10 @@ def predict_logits(module: nn.Module, params: dict[str, Tensor], x: Tensor, batc
     module.eval()
     try:
         return torch.cat(
-            [functional_call(module, (params, buffers), (x[i : i + batch_size],)) for i in range(0, len(x), batch_size)]
+            [
+                functional_call(module, (params, buffers), (x[i : i + batch_size],))
+                for i in range(0, len(x), batch_size)
+            ]
         )
     finally:
         module.train(was_training)

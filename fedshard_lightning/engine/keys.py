@@ -20,7 +20,9 @@ SAMPLING = -1
 
 def keyed_rng(seed: int, stage: int, group: int, round_: int, client: int) -> np.random.Generator:
     """A numpy generator seeded by the key (SeedSequence hashes the tuple)."""
-    return np.random.default_rng([int(seed) & 0xFFFFFFFF, int(stage), int(group), int(round_), int(client) + 1])
+    return np.random.default_rng(
+        [int(seed) & 0xFFFFFFFF, int(stage), int(group), int(round_), int(client) + 1]
+    )
 
 
 def sample_participants(

@@ -17,7 +17,13 @@ from torch import Tensor, nn
 
 from fedshard_lightning.errors import ContractError
 
-__all__ = ["ELEMENTWISE_OPTIMIZERS", "OptimizerSpec", "normalize_optimizer", "optimizer_spec", "shrink_optimizer"]
+__all__ = [
+    "ELEMENTWISE_OPTIMIZERS",
+    "OptimizerSpec",
+    "normalize_optimizer",
+    "optimizer_spec",
+    "shrink_optimizer",
+]
 
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD,
@@ -51,10 +57,14 @@ def normalize_optimizer(returned: Any, owner: str) -> torch.optim.Optimizer:
                 )
             opt = opt[0]
         if len(opt) != 1:
-            raise ContractError(f"{owner}.configure_optimizers must return exactly one optimizer, got {len(opt)}")
+            raise ContractError(
+                f"{owner}.configure_optimizers must return exactly one optimizer, got {len(opt)}"
+            )
         opt = opt[0]
     if not isinstance(opt, torch.optim.Optimizer):
-        raise ContractError(f"{owner}.configure_optimizers must return a torch.optim.Optimizer, got {type(opt).__name__}")
+        raise ContractError(
+            f"{owner}.configure_optimizers must return a torch.optim.Optimizer, got {type(opt).__name__}"
+        )
     return opt
 
 
@@ -87,7 +97,9 @@ def optimizer_spec(module: nn.Module, names: Sequence[str]) -> OptimizerSpec:
         gnames = []
         for p in group["params"]:
             if id(p) not in by_id:
-                raise ContractError(f"{owner}.configure_optimizers optimizes a tensor that is not a model parameter")
+                raise ContractError(
+                    f"{owner}.configure_optimizers optimizes a tensor that is not a model parameter"
+                )
             gnames.append(by_id[id(p)])
         seen.update(gnames)
         hp = {k: v for k, v in group.items() if k not in ("params", "initial_lr", "param_names")}
@@ -101,7 +113,9 @@ def optimizer_spec(module: nn.Module, names: Sequence[str]) -> OptimizerSpec:
     return OptimizerSpec(type(opt), tuple(groups))
 
 
-def shrink_optimizer(opt: torch.optim.Optimizer, old: Sequence[Tensor], new: Sequence[Tensor], m: int) -> None:
+def shrink_optimizer(
+    opt: torch.optim.Optimizer, old: Sequence[Tensor], new: Sequence[Tensor], m: int
+) -> None:
     """Keep only the first ``m`` stacked clients: swap leaves and slice per-parameter state."""
     remap = {id(o): n for o, n in zip(old, new)}
     for group in opt.param_groups:

@@ -1,0 +1,1 @@
+"""Experiments of the paper (cascaded leaving, poisoning) built on the trainer."""

@@ -1,0 +1,27 @@
+"""Evaluation metrics of federated unlearning: the FedShard fairness metrics and the MIA F1.
+
+Fairness metrics: FedShard paper section 5, equations (6) and (7); membership inference: section
+6.3 and SPEC section 10.
+"""
+
+from __future__ import annotations
+
+from fedshard_lightning.metrics.fairness import (
+    EfficiencyFairness,
+    PerformanceFairness,
+    client_distances,
+    efficiency_fairness,
+    performance_fairness,
+)
+from fedshard_lightning.metrics.mia import ATTACK_CLASSIFIERS, MembershipInferenceAttack, attack_features
+
+__all__ = [
+    "ATTACK_CLASSIFIERS",
+    "EfficiencyFairness",
+    "MembershipInferenceAttack",
+    "PerformanceFairness",
+    "attack_features",
+    "client_distances",
+    "efficiency_fairness",
+    "performance_fairness",
+]

@@ -46,7 +46,9 @@ class FedAvgCNN(FederatedModule):
             nn.Flatten(),
         )
         flat = c2 * (h // 4) * (w // 4)
-        self.classifier = nn.Sequential(nn.Linear(flat, self.hidden), nn.ReLU(), nn.Linear(self.hidden, self.num_classes))
+        self.classifier = nn.Sequential(
+            nn.Linear(flat, self.hidden), nn.ReLU(), nn.Linear(self.hidden, self.num_classes)
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         """Logits [b, classes]."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -38,7 +39,7 @@ class MLP(FederatedModule):
             return
         widths = [math.prod(self.input_shape), *self.hidden]
         layers: list[nn.Module] = [nn.Flatten()]
-        for a, b in zip(widths[:-1], widths[1:]):
+        for a, b in itertools.pairwise(widths):
             layers += [nn.Linear(a, b), nn.ReLU()]
         layers.append(nn.Linear(widths[-1], self.num_classes))
         self.net = nn.Sequential(*layers)

@@ -1,0 +1,47 @@
+"""Sharding of FedShard: the shard tree, the signed contribution angle, merging A1 and rounds A2.
+
+Pure functions and small classes over small data (SPEC sections 1, 2, 4, 5 and 7); the training
+loop lives in the engine and the FedShard algorithm.
+"""
+
+from __future__ import annotations
+
+from fedshard_lightning.sharding.contribution import flatten_update, signed_angles, unflatten_update
+from fedshard_lightning.sharding.merging import (
+    A1Merge,
+    MergePolicy,
+    RandomMerge,
+    a1_grouping,
+    group_capacities,
+    random_grouping,
+)
+from fedshard_lightning.sharding.rounds import (
+    A2Rounds,
+    AutoRounds,
+    ConvergenceTracker,
+    FixedRounds,
+    RoundPolicy,
+    a2_rounds,
+)
+from fedshard_lightning.sharding.tree import Shard, ShardTree, num_stages
+
+__all__ = [
+    "A1Merge",
+    "A2Rounds",
+    "AutoRounds",
+    "ConvergenceTracker",
+    "FixedRounds",
+    "MergePolicy",
+    "RandomMerge",
+    "RoundPolicy",
+    "Shard",
+    "ShardTree",
+    "a1_grouping",
+    "a2_rounds",
+    "flatten_update",
+    "group_capacities",
+    "num_stages",
+    "random_grouping",
+    "signed_angles",
+    "unflatten_update",
+]

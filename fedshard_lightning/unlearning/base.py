@@ -62,7 +62,9 @@ class Algorithm:
         local_steps: int | None = None,
         client_fraction: float = 1.0,
     ) -> None:
-        self.schedule = LocalSchedule(batch_size=batch_size, local_epochs=local_epochs, local_steps=local_steps)
+        self.schedule = LocalSchedule(
+            batch_size=batch_size, local_epochs=local_epochs, local_steps=local_steps
+        )
         if not 0 < client_fraction <= 1:
             raise ConfigError(f"algorithm.client_fraction={client_fraction}: must be in (0, 1]")
         self.client_fraction = float(client_fraction)

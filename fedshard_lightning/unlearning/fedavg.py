@@ -1,6 +1,7 @@
-"""FedAvg (McMahan et al., "Communication-Efficient Learning of Deep Networks from Decentralized
-Data", AISTATS 2017, Algorithm 1), and its unlearning by retraining from scratch ("FA" in the
-FedShard paper's section 6): the remaining clients train from the same initial model with the
+"""FedAvg and its unlearning by retraining from scratch ("FA" in the FedShard paper's section 6).
+
+McMahan et al., "Communication-Efficient Learning of Deep Networks from Decentralized Data",
+AISTATS 2017, Algorithm 1. Unlearning by retraining: the remaining clients train from the same initial model with the
 same keyed randomness, so the result equals FedAvg trained without the leaving clients from the
 start.
 """
@@ -64,7 +65,9 @@ class FedAvg(Algorithm):
 
     def _cost(self, clients: Sequence[int]) -> int:
         group = Group(0, tuple(clients), self.rounds)
-        return sum(self.engine.client_steps_of(self.engine.participants(0, group, r)) for r in range(self.rounds))
+        return sum(
+            self.engine.client_steps_of(self.engine.participants(0, group, r)) for r in range(self.rounds)
+        )
 
     def predict_cost(self, clients: Sequence[int]) -> int:
         """Retraining the remaining clients for every round."""

@@ -1,5 +1,6 @@
-"""FedShard (the paper in ``shared/paper``: "sharded federated learning with exact, fair and fast
-federated unlearning"; Algorithm 1 "FedShard Federated Learning", Algorithm 2 "FedShard Federated
+"""FedShard: sharded federated learning with exact, fair and fast federated unlearning.
+
+The paper is in ``shared/paper`` (Algorithm 1 "FedShard Federated Learning", Algorithm 2 "FedShard Federated
 Unlearning", Appendix D), made precise by SPEC sections 2, 4-7.
 
 Training builds a frozen shard tree bottom-up: every client is a leaf; stage p merges the shards of
@@ -152,7 +153,9 @@ class FedShard(Algorithm):
         elif rounds == "auto":
             self.round_policy = AutoRounds(max_rounds=max(t1, 2))
         else:
-            raise ConfigError(f"algorithm.rounds={rounds!r}: choose a2, fixed, auto or a RoundPolicy class_path")
+            raise ConfigError(
+                f"algorithm.rounds={rounds!r}: choose a2, fixed, auto or a RoundPolicy class_path"
+            )
         self.rounds_name = rounds if isinstance(rounds, str) else type(rounds).__name__
         self.t0, self.t1, self.fixed_rounds = t0, t1, fixed_rounds
         self.merge_weighting = merge_weighting
@@ -185,8 +188,13 @@ class FedShard(Algorithm):
     def _merge_seed(self, stage: int) -> int:
         return (self.trainer.seed * 1_000_003 + stage * 7919) % (2**32)
 
-    def _children_average(self, stage: int, records: Sequence[ShardRecord], prev: dict[str, Tensor] | None,
-                          prev_records: Sequence[ShardRecord] | None) -> dict[str, Tensor]:
+    def _children_average(
+        self,
+        stage: int,
+        records: Sequence[ShardRecord],
+        prev: dict[str, Tensor] | None,
+        prev_records: Sequence[ShardRecord] | None,
+    ) -> dict[str, Tensor]:
         """Initial models [N, ...] of the given shards of ``stage``: weighted average of their live children."""
         n = len(records)
         if stage == 1:
@@ -204,7 +212,9 @@ class FedShard(Algorithm):
             out[k] = (w.to(flat.dtype) @ flat).reshape(n, *v.shape[1:])
         return out
 
-    def _train_stage(self, stage: int, init: dict[str, Tensor], groups: list[Group], report: bool) -> TrainResult:
+    def _train_stage(
+        self, stage: int, init: dict[str, Tensor], groups: list[Group], report: bool
+    ) -> TrainResult:
         tracker = None
         if report and self.round_policy.calibrating(stage):
             tracker = self.round_policy.make_tracker(len(groups))
@@ -238,7 +248,9 @@ class FedShard(Algorithm):
                 prev_alpha = [r.alpha for r in self.records[-1]]
                 prev_counts = [len(r.clients) for r in self.records[-1]]
                 prev_weights = [r.weight for r in self.records[-1]]
-            grouping = self.merge_policy.group(prev_alpha, prev_counts, self.merge_rate, self._merge_seed(stage))
+            grouping = self.merge_policy.group(
+                prev_alpha, prev_counts, self.merge_rate, self._merge_seed(stage)
+            )
             shards = self.tree.add_stage(grouping)
             children_alphas = [[prev_alpha[c] for c in g] for g in grouping]
             rounds = self.round_policy.rounds(stage, children_alphas)
@@ -294,9 +306,7 @@ class FedShard(Algorithm):
         models = self.models[stage - 1]
         w = torch.tensor([0.0 if r.empty else r.weight for r in recs], dtype=torch.float64)
         w = w / w.sum()
-        return {
-            k: (v * w.to(v).view(-1, *[1] * (v.ndim - 1))).sum(0) for k, v in models.items()
-        }
+        return {k: (v * w.to(v).view(-1, *[1] * (v.ndim - 1))).sum(0) for k, v in models.items()}
 
     def current_params(self) -> dict[str, Tensor]:
         """theta_1^P with every applied request."""
@@ -305,9 +315,11 @@ class FedShard(Algorithm):
     # -- costs ------------------------------------------------------------------------------------
     def _shard_cost(self, stage: int, index: int, remaining: Sequence[int], rounds: int) -> int:
         group = Group(index, tuple(remaining), rounds)
-        return sum(
-            self.engine.client_steps_of(self.engine.participants(stage, group, r)) for r in range(rounds)
-        ) if remaining else 0
+        return (
+            sum(self.engine.client_steps_of(self.engine.participants(stage, group, r)) for r in range(rounds))
+            if remaining
+            else 0
+        )
 
     def _plan(self, clients: Sequence[int]) -> dict[int, list[int]]:
         """Affected shard indices per stage for new leaving clients."""
@@ -351,7 +363,9 @@ class FedShard(Algorithm):
                     rec.weight = float(sum(self._client_weight(c) for c in rec.remaining))
                 else:
                     rec.weight = float(sum(records[p - 2][ch].weight for ch in rec.children))
-            idx = [i for i in range(len(recs)) if (only is None or i in only.get(p, ())) and not recs[i].empty]
+            idx = [
+                i for i in range(len(recs)) if (only is None or i in only.get(p, ())) and not recs[i].empty
+            ]
             if not idx:
                 continue
             sub = [recs[i] for i in idx]
@@ -362,7 +376,9 @@ class FedShard(Algorithm):
             res = self.train(init, groups, p, report=False)
             steps += res.client_steps
             idx_t = torch.as_tensor(idx, device=next(iter(res.params.values())).device)
-            models[p - 1] = {k: v.clone().index_copy_(0, idx_t, res.params[k]) for k, v in models[p - 1].items()}
+            models[p - 1] = {
+                k: v.clone().index_copy_(0, idx_t, res.params[k]) for k, v in models[p - 1].items()
+            }
             retrained.extend((p, i) for i in idx)
         return records, models, steps, retrained
 
@@ -411,7 +427,9 @@ class FedShard(Algorithm):
                 stage_worst = max(stage_worst, d)
                 if len(recs) <= 64:
                     lines.append(f"stage {p} shard {i}: max|diff| = {d:.3e}")
-            lines.append(f"stage {p}: max|diff| over {sum(not r.empty for r in recs)} shards = {stage_worst:.3e}")
+            lines.append(
+                f"stage {p}: max|diff| over {sum(not r.empty for r in recs)} shards = {stage_worst:.3e}"
+            )
             worst = max(worst, stage_worst)
         final = max(float((self.models[-1][k][0] - models[-1][k][0]).abs().max()) for k in self.models[-1])
         passed = worst <= tolerance
@@ -419,7 +437,13 @@ class FedShard(Algorithm):
             f"audit {'PASSED' if passed else 'FAILED'}: final model max|diff| = {final:.3e}, worst shard "
             f"{worst:.3e}, tolerance {tolerance:.1e}; unlearned clients {self.unlearned}; replay cost {steps} client-steps"
         )
-        return {"passed": passed, "max_abs_diff": worst, "final_max_abs_diff": final, "shards": per_shard, "lines": lines}
+        return {
+            "passed": passed,
+            "max_abs_diff": worst,
+            "final_max_abs_diff": final,
+            "shards": per_shard,
+            "lines": lines,
+        }
 
     # -- cache ------------------------------------------------------------------------------------
     def write_cache(self, cache: FLCache, label: str) -> str:
@@ -437,7 +461,7 @@ class FedShard(Algorithm):
             "complete": len(self.records) == self.planned_stages,
             "unlearned": self.unlearned,
             "client_steps": self.total_client_steps,
-            "auto_observed": list(getattr(self.round_policy, "_observed", [])),
+            "round_policy_state": self.round_policy.state_dict(),
             **self.trainer.cache_extra(),
         }
         tensors = {"theta0.safetensors": self.theta0}
@@ -474,12 +498,14 @@ class FedShard(Algorithm):
             self.records = [[ShardRecord.from_dict(r) for r in recs] for recs in manifest["stages"]]
         except (KeyError, TypeError, ValueError) as e:
             raise CacheError(f"{cache.root}: the manifest's tree is malformed ({e})") from None
-        self.models = [cache.tensors(f"stage_{p}.safetensors", device=device) for p in range(1, len(self.records) + 1)]
+        self.models = [
+            cache.tensors(f"stage_{p}.safetensors", device=device) for p in range(1, len(self.records) + 1)
+        ]
         self._loaded_models = {p: m for p, m in enumerate(self.models, start=1)}
         self.unlearned = [int(c) for c in manifest.get("unlearned", [])]
         self.total_client_steps = int(manifest.get("client_steps", 0))
-        if isinstance(self.round_policy, AutoRounds):
-            self.round_policy._observed = [int(x) for x in manifest.get("auto_observed", [])]
+        if "round_policy_state" in manifest:
+            self.round_policy.load_state_dict(manifest["round_policy_state"])
         return manifest
 
     def resume(self, cache: FLCache) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from _models import ExplodingMLP, LBFGSMLP, LoggingMLP, SchedulerMLP
+from _models import LBFGSMLP, ExplodingMLP, LoggingMLP, SchedulerMLP
 
 from fedshard_lightning.data import SyntheticDataModule
 from fedshard_lightning.engine import FederatedEngine, Group, LocalSchedule, stack_params
@@ -15,8 +15,17 @@ from fedshard_lightning.models import MLP, FedAvgCNN
 
 
 def _data(k=12, n=300, shape=(10,), partition="dirichlet", **kw):
-    dm = SyntheticDataModule(num_clients=k, partition=partition, rho=0.5, min_client_size=5, num_samples=n,
-                             num_test=50, shape=shape, num_classes_=4, **kw)
+    dm = SyntheticDataModule(
+        num_clients=k,
+        partition=partition,
+        rho=0.5,
+        min_client_size=5,
+        num_samples=n,
+        num_test=50,
+        shape=shape,
+        num_classes_=4,
+        **kw,
+    )
     dm.setup()
     return dm
 
@@ -30,9 +39,14 @@ def _model(dm, cls=MLP, dtype=torch.float64, **kw):
 
 
 def _train(m, dm, mode, schedule, fraction=1.0, groups=None, chunk=None, rounds=3, seed=1):
-    eng = FederatedEngine(m, dm, schedule, seed=seed, client_fraction=fraction, vectorize=mode, max_chunk_clients=chunk)
+    eng = FederatedEngine(
+        m, dm, schedule, seed=seed, client_fraction=fraction, vectorize=mode, max_chunk_clients=chunk
+    )
     k = len(dm.client_indices)
-    groups = groups or [Group(0, tuple(range(0, k // 2)), rounds), Group(1, tuple(range(k // 2, k)), rounds - 1)]
+    groups = groups or [
+        Group(0, tuple(range(0, k // 2)), rounds),
+        Group(1, tuple(range(k // 2, k)), rounds - 1),
+    ]
     init = stack_params([eng.module_params()] * len(groups))
     return eng.train_groups(init, groups, stage=1)
 
@@ -82,7 +96,9 @@ def test_client_independent_of_batch_mates():
     eng = FederatedEngine(m, dm, LocalSchedule(batch_size=4, local_epochs=2), seed=5, vectorize="always")
     p0 = eng.module_params()
     alone = eng.local.train_stacked(stack_params([p0]), ClientBatch([3], [0], 1, 0)).params
-    crowd = eng.local.train_stacked(stack_params([p0] * 8), ClientBatch([0, 1, 2, 3, 4, 5, 6, 7], [0] * 8, 1, 0))
+    crowd = eng.local.train_stacked(
+        stack_params([p0] * 8), ClientBatch([0, 1, 2, 3, 4, 5, 6, 7], [0] * 8, 1, 0)
+    )
     assert max(float((alone[k][0] - crowd.params[k][3]).abs().max()) for k in alone) <= 1e-12
 
 

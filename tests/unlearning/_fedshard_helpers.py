@@ -13,13 +13,22 @@ from fedshard_lightning.trainer import FederatedTrainer
 from fedshard_lightning.unlearning import FedShard
 
 
-def make(root: Path, k: int = 8, per_client: int = 12, precision: str = "64-true", seed: int = 0,
-         data_kw: dict | None = None, **alg: Any):
+def make(
+    root: Path,
+    k: int = 8,
+    per_client: int = 12,
+    precision: str = "64-true",
+    seed: int = 0,
+    data_kw: dict | None = None,
+    **alg: Any,
+):
     """A fresh (trainer, model, datamodule) triple for one config."""
     alg.setdefault("rounds", "fixed")
     alg.setdefault("fixed_rounds", 2)
     alg.setdefault("batch_size", 5)
-    dkw = dict(num_clients=k, partition="iid", num_samples=k * per_client, num_test=40, shape=(6,), num_classes_=3)
+    dkw = dict(
+        num_clients=k, partition="iid", num_samples=k * per_client, num_test=40, shape=(6,), num_classes_=3
+    )
     dkw.update(data_kw or {})
     dm = SyntheticDataModule(**dkw)
     model = MLP(hidden=(8,), lr=0.1, momentum=0.5)

@@ -51,8 +51,16 @@ def test_request_that_empties_a_stage1_shard(run_root):
 
 
 def test_unequal_clients_sampling_and_samples_weighting_exact(run_root):
-    kw = dict(k=9, data_kw=dict(partition="dirichlet", rho=0.5, min_client_size=4), merge_rate=3,
-              client_fraction=0.6, merge_weighting="samples", rounds="a2", t0=1, t1=3)
+    kw = dict(
+        k=9,
+        data_kw=dict(partition="dirichlet", rho=0.5, min_client_size=4),
+        merge_rate=3,
+        client_fraction=0.6,
+        merge_weighting="samples",
+        rounds="a2",
+        t0=1,
+        t1=3,
+    )
     run = fit(run_root, **kw)
     rep = unlearn(run_root, run, [2, 7], **kw)
     assert rep["predicted_client_steps"] == rep["client_steps"]
@@ -68,7 +76,9 @@ def test_cost_ratio_matches_closed_form(run_root, k, r):
     rep = unlearn(run_root, run, [k // 3], **kw)
     assert rep["client_steps"] == sum(r**q - 1 for q in range(1, p + 1))
     assert rep["retrain_client_steps"] == p * (k - 1)
-    assert rep["retrain_client_steps"] / rep["client_steps"] == pytest.approx(p * (k - 1) / sum(r**q - 1 for q in range(1, p + 1)))
+    assert rep["retrain_client_steps"] / rep["client_steps"] == pytest.approx(
+        p * (k - 1) / sum(r**q - 1 for q in range(1, p + 1))
+    )
     assert rep["theoretical_r1"] == pytest.approx((r - 1) / r * k / (k - 1) * p)
 
 
@@ -77,7 +87,7 @@ def test_resume_is_bit_identical(run_root, tmp_path):
     other_root = tmp_path / "other"
     partial = fit(other_root, k=8, rounds="a2", t0=1, t1=3)
     cache = FLCache(partial / "cache")
-    cache.set_current([v for v in cache.versions() if v.endswith("stage-1")][0])
+    cache.set_current(next(v for v in cache.versions() if v.endswith("stage-1")))
     trainer, model, dm = make(other_root, k=8, rounds="a2", t0=1, t1=3)
     metrics = trainer.fit(model, dm, ckpt_path=str(partial))
     assert metrics["resumed"]

@@ -1,0 +1,336 @@
+"""Shard merging of FedShard: the A1 algorithm and the random grouping of naive sharding.
+
+Paper: FedShard, section 3.2 and Algorithm 2 "Shard Merging Algorithm A1" (Appendix D.2): cluster
+the shards of stage ``p - 1`` by their contribution angle into three clusters, give every new
+shard first "average" children, then alternate large negative and large positive ones so that
+each new shard starts from a direction close to the global one. SPEC section 5 makes it precise.
+
+Departures from the paper and choices of ours (SPEC section 5 decides the first three):
+
+- All alphas equal (stage 1, where every leaf has alpha 0): a seeded random grouping, the paper's
+  "randomly picking up clients".
+- Three clusters by scikit-learn's ``KMeans(n_clusters=3, random_state=seed, n_init=n_init)`` on
+  the 1-D alphas, run single-threaded (faster on such small data, and the labels cannot depend on
+  the machine's core count); clusters are ordered by centroid: negative, middle, positive.
+- Fewer than three distinct alphas: no KMeans (it would find fewer than three clusters); the
+  shards, sorted by ``(alpha, index)``, are cut into three consecutive parts of near-equal size
+  (the first parts take the extra one, as ``numpy.array_split`` does).
+- Group capacities: ``R`` for every group except the last, which takes ``n - R * (N - 1)``.
+- The paper's ``allocateChildShard`` picks the child minimizing ``M_e``; SPEC says "the shard whose
+  addition keeps the groups' client counts most even". We measure evenness by the variance, over
+  all groups, of the *projected* client counts: a group's count so far plus its free slots times
+  the mean client count of the shards not yet placed. The projection compares half-filled groups
+  fairly; the plain variance of current counts would favour small shards early and leave the
+  large ones for last (in our measurements its spread was 35% larger). Ties: smallest ``|alpha|``,
+  then smallest index.
+- The mean alpha of a group is the unweighted mean over its children; an empty group has mean 0,
+  so it first takes a negative shard.
+- Output order (canonical, independent of the filling order): each group sorted ascending, groups
+  sorted by their smallest index. The remainder group can therefore sit anywhere in the list.
+
+Balance guarantee: every group gets exactly its capacity of children, so full groups' client counts
+differ by at most ``R * (c_max - c_min)`` and are equal whenever all shards hold the same number of
+clients (which is the case for all but a few shards of a stage). Beyond that no per-input bound can
+hold, because the cluster rules dictate which cluster each child comes from; on random inputs
+(tested) the mean spread ``max - min`` of full groups' client counts is below that of a random
+grouping, and so is the mean over groups of ``|mean alpha|`` (SPEC section 5 property).
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from fedshard_lightning.errors import ConfigError
+
+__all__ = ["A1Merge", "MergePolicy", "RandomMerge", "a1_grouping", "group_capacities", "random_grouping"]
+
+
+class MergePolicy:
+    """Decides which shards of stage ``p - 1`` merge into each shard of stage ``p``.
+
+    Subclass it and override :meth:`group` to plug a new merging rule into a config via
+    ``class_path``; the trainer calls it once per stage and freezes the result in the shard tree.
+    """
+
+    def group(
+        self, alphas: Sequence[float], client_counts: Sequence[int], merge_rate: int, seed: int
+    ) -> list[list[int]]:
+        """Group ``n`` shards into ``ceil(n / merge_rate)`` new shards.
+
+        Args:
+            alphas: Signed contribution angle of every shard of the previous stage.
+            client_counts: Number of clients of every shard of the previous stage.
+            merge_rate: Merging rate ``R >= 2``.
+            seed: Non-negative seed of every random choice (derive it from the run seed and stage).
+
+        Returns:
+            Groups of shard indices: a partition of ``range(n)`` into ``ceil(n / R)`` groups whose
+            sizes are the capacities of :func:`group_capacities`; each group sorted ascending, groups
+            sorted by their smallest index.
+        """
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({args})"
+
+
+class RandomMerge(MergePolicy):
+    """Seeded random grouping: the merging of the "naive sharding" ablation (SPEC section 5)."""
+
+    def group(
+        self, alphas: Sequence[float], client_counts: Sequence[int], merge_rate: int, seed: int
+    ) -> list[list[int]]:
+        """Group the shards at random; ``alphas`` and ``client_counts`` only give their number."""
+        _check_inputs(alphas, client_counts, merge_rate, seed)
+        return random_grouping(len(alphas), merge_rate, seed)
+
+
+class A1Merge(MergePolicy):
+    """FedShard's cluster-based merging A1 (paper Algorithm 2, SPEC section 5).
+
+    Args:
+        n_init: Number of KMeans initializations (scikit-learn's ``n_init``), at least 1.
+
+    Raises:
+        ConfigError: If ``n_init`` is not a positive integer.
+    """
+
+    def __init__(self, n_init: int = 10) -> None:
+        if isinstance(n_init, bool) or not isinstance(n_init, int) or n_init < 1:
+            raise ConfigError(f"n_init={n_init!r} must be an integer >= 1 (KMeans initializations)")
+        self.n_init = n_init
+
+    def group(
+        self, alphas: Sequence[float], client_counts: Sequence[int], merge_rate: int, seed: int
+    ) -> list[list[int]]:
+        """Group the shards by A1; see :func:`a1_grouping`."""
+        return a1_grouping(alphas, client_counts, merge_rate, seed, n_init=self.n_init)
+
+
+def group_capacities(num_items: int, merge_rate: int) -> list[int]:
+    """Capacities of the ``ceil(n / R)`` groups: ``R`` each, the last one takes the remainder.
+
+    Raises:
+        ConfigError: If ``merge_rate`` is not an integer >= 2.
+    """
+    _check_rate(merge_rate)
+    if num_items <= 0:
+        return []
+    n_groups = -(-num_items // merge_rate)
+    return [merge_rate] * (n_groups - 1) + [num_items - merge_rate * (n_groups - 1)]
+
+
+def random_grouping(num_items: int, merge_rate: int, seed: int) -> list[list[int]]:
+    """Seeded random grouping: a ``numpy.random.default_rng(seed)`` permutation cut by capacities.
+
+    Args:
+        num_items: Number of shards ``n`` to group.
+        merge_rate: Merging rate ``R >= 2``.
+        seed: Non-negative seed.
+
+    Returns:
+        The groups in canonical order (see :meth:`MergePolicy.group`).
+    """
+    _check_rate(merge_rate)
+    _check_seed(seed)
+    perm = np.random.default_rng(seed).permutation(num_items).tolist()
+    groups, start = [], 0
+    for cap in group_capacities(num_items, merge_rate):
+        groups.append(perm[start : start + cap])
+        start += cap
+    return _canonical(groups)
+
+
+def a1_grouping(
+    alphas: Sequence[float],
+    client_counts: Sequence[int],
+    merge_rate: int,
+    seed: int,
+    n_init: int = 10,
+) -> list[list[int]]:
+    """FedShard's A1 grouping, SPEC section 5 steps 1-6 (see the module docstring for the rules).
+
+    Args:
+        alphas: Signed contribution angle of every shard of the previous stage.
+        client_counts: Number of clients (>= 1) of every shard of the previous stage.
+        merge_rate: Merging rate ``R >= 2``.
+        seed: Non-negative seed of the random grouping (all alphas equal) and of KMeans.
+        n_init: Number of KMeans initializations.
+
+    Returns:
+        The groups in canonical order (see :meth:`MergePolicy.group`).
+
+    Raises:
+        ConfigError: If ``merge_rate`` or ``n_init`` is invalid.
+        ValueError: If the inputs have different lengths, non-finite alphas or counts below 1.
+    """
+    a, counts = _check_inputs(alphas, client_counts, merge_rate, seed)
+    if isinstance(n_init, bool) or not isinstance(n_init, int) or n_init < 1:
+        raise ConfigError(f"n_init={n_init!r} must be an integer >= 1 (KMeans initializations)")
+    n = len(a)
+    if n == 0:
+        return []
+    if np.all(a == a[0]):
+        return random_grouping(n, merge_rate, seed)
+    negative, middle, positive = _three_clusters(a, seed, n_init)
+
+    filler = _Filler(group_capacities(n, merge_rate), a, counts)
+    pools = [_Pool(cluster, a, counts) for cluster in (negative, middle, positive)]
+    negative_pool, middle_pool, positive_pool = pools
+    while middle_pool:  # step 4
+        filler.place(middle_pool)
+    while negative_pool and positive_pool:  # step 5
+        filler.place(negative_pool if filler.next_mean_alpha() >= 0 else positive_pool)
+    for leftover in (negative_pool, positive_pool):  # step 6
+        while leftover:
+            filler.place(leftover)
+    return _canonical(filler.groups)
+
+
+class _Pool:
+    """A cluster's unplaced shards, bucketed by client count, each bucket by ``(|alpha|, index)``."""
+
+    def __init__(self, members: list[int], a: np.ndarray, counts: np.ndarray) -> None:
+        self.buckets: dict[int, deque[int]] = {}
+        for i in sorted(members, key=lambda i: (abs(float(a[i])), i)):
+            self.buckets.setdefault(int(counts[i]), deque()).append(i)
+        self.a = a
+
+    def __bool__(self) -> bool:
+        return bool(self.buckets)
+
+    def pop_best(self, spread: Callable[[int], int]) -> tuple[int, int]:
+        """Remove and return ``(index, count)`` of the shard with least spread, then ``|alpha|``, index."""
+        c = min(
+            self.buckets,
+            key=lambda c: (spread(c), abs(float(self.a[self.buckets[c][0]])), self.buckets[c][0]),
+        )
+        bucket = self.buckets[c]
+        i = bucket.popleft()
+        if not bucket:
+            del self.buckets[c]
+        return i, c
+
+
+class _Filler:
+    """The groups being filled, with the sums that make each evenness evaluation O(1).
+
+    Evenness is the variance of the groups' projected client counts: a group's count plus its free
+    slots times ``m``, the mean client count of the shards still unplaced. Scaled by
+    ``N^2 * rest^2`` (``rest`` = shards unplaced) every term is an integer, so equal spreads compare
+    equal and the ``|alpha|`` tie-break is exact.
+    """
+
+    def __init__(self, caps: list[int], a: np.ndarray, counts: np.ndarray) -> None:
+        self.groups: list[list[int]] = [[] for _ in caps]
+        self.totals = [0] * len(caps)  # client count of every group so far
+        self.free = list(caps)  # free slots of every group
+        self.alpha_sums = [0.0] * len(caps)
+        self.a = a
+        self.left, self.left_sum = len(a), int(counts.sum())  # unplaced shards and their clients
+        self.t_sum, self.s_sum = 0, sum(caps)
+        self.t_sq, self.ts, self.s_sq = 0, 0, sum(c * c for c in caps)
+        # Fewest children among groups with room, ties lowest index: a heap of (children, index).
+        self.heap = [(0, g) for g in range(len(caps))]
+
+    def next_mean_alpha(self) -> float:
+        """Mean alpha of the group that receives the next shard (0 for an empty group)."""
+        g = self.heap[0][1]
+        return self.alpha_sums[g] / len(self.groups[g]) if self.groups[g] else 0.0
+
+    def spread(self, g: int, c: int) -> int:
+        """Scaled variance of the projected client counts if ``c`` clients join group ``g``."""
+        rest = self.left - 1
+        scale, big_m = max(rest, 1), self.left_sum - c  # m = big_m / rest (big_m = 0 when rest = 0)
+        tg, sg = self.totals[g], self.free[g]
+        others = (
+            scale * scale * (self.t_sq - tg * tg)
+            + 2 * scale * big_m * (self.ts - tg * sg)
+            + big_m * big_m * (self.s_sq - sg * sg)
+        )
+        mine = scale * (tg + c) + (sg - 1) * big_m
+        total = scale * (self.t_sum + c) + (self.s_sum - 1) * big_m
+        return len(self.totals) * (others + mine * mine) - total * total
+
+    def place(self, pool: _Pool) -> None:
+        """Give the next group (fewest children, lowest index) the pool's most even-making shard."""
+        size, g = heapq.heappop(self.heap)
+        i, c = pool.pop_best(lambda c: self.spread(g, c))
+        tg, sg = self.totals[g], self.free[g]
+        self.t_sq += (tg + c) ** 2 - tg * tg
+        self.ts += (tg + c) * (sg - 1) - tg * sg
+        self.s_sq += (sg - 1) ** 2 - sg * sg
+        self.t_sum += c
+        self.s_sum -= 1
+        self.totals[g], self.free[g] = tg + c, sg - 1
+        self.groups[g].append(i)
+        self.alpha_sums[g] += float(self.a[i])
+        self.left, self.left_sum = self.left - 1, self.left_sum - c
+        if self.free[g]:
+            heapq.heappush(self.heap, (size + 1, g))
+
+
+@functools.cache
+def _threadpool_controller() -> Any:
+    # Scanning the loaded native libraries costs ~10 ms; do it once per process.
+    from threadpoolctl import ThreadpoolController  # a scikit-learn dependency
+
+    return ThreadpoolController()
+
+
+def _three_clusters(a: np.ndarray, seed: int, n_init: int) -> tuple[list[int], list[int], list[int]]:
+    """Negative, middle and positive clusters of the 1-D alphas (index lists, ascending)."""
+    n = len(a)
+    if len(np.unique(a)) >= 3:
+        from sklearn.cluster import KMeans  # heavy; only needed from stage 2 on
+
+        random_state = seed if seed < 2**32 else int(np.random.SeedSequence(seed).generate_state(1)[0])
+        # One thread: on a few thousand 1-D points threading costs far more than it saves (75x
+        # slower measured on 2 cores beside torch), and the labels cannot depend on the core count.
+        with _threadpool_controller().limit(limits=1):
+            km = KMeans(n_clusters=3, random_state=random_state, n_init=n_init).fit(a.reshape(-1, 1))
+        labels = km.labels_
+        order = np.argsort(km.cluster_centers_.ravel(), kind="stable")
+        clusters = [[i for i in range(n) if labels[i] == label] for label in order]
+        if all(clusters):
+            return clusters[0], clusters[1], clusters[2]
+    ranked = np.lexsort((np.arange(n), a))
+    parts = [sorted(p.tolist()) for p in np.array_split(ranked, 3)]
+    return parts[0], parts[1], parts[2]
+
+
+def _canonical(groups: list[list[int]]) -> list[list[int]]:
+    return sorted((sorted(int(i) for i in g) for g in groups), key=lambda g: g[0])
+
+
+def _check_rate(merge_rate: int) -> None:
+    if isinstance(merge_rate, bool) or not isinstance(merge_rate, int) or merge_rate < 2:
+        raise ConfigError(f"merge_rate={merge_rate!r} must be an integer >= 2")
+
+
+def _check_seed(seed: int) -> None:
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"seed={seed!r} must be a non-negative integer")
+
+
+def _check_inputs(
+    alphas: Sequence[float], client_counts: Sequence[int], merge_rate: int, seed: int
+) -> tuple[np.ndarray, np.ndarray]:
+    _check_rate(merge_rate)
+    _check_seed(seed)
+    a = np.asarray(alphas, dtype=np.float64).reshape(-1)
+    counts = np.asarray(client_counts)
+    if counts.ndim != 1 or len(counts) != len(a):
+        raise ValueError(f"got {len(a)} alphas but {counts.size} client counts; they must match")
+    if not np.isfinite(a).all():
+        raise ValueError("alphas must be finite")
+    if len(counts) and (not np.issubdtype(counts.dtype, np.integer) or counts.min() < 1):
+        raise ValueError("client_counts must be integers >= 1")
+    return a, counts.astype(np.float64)
