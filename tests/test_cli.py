@@ -123,7 +123,7 @@ def test_fit_without_config_uses_digits_defaults(capsys):
     ],
 )
 def test_one_line_errors(args, needle, capsys, run_root):
-    code, out, err = _run(
+    code, _, err = _run(
         [*args, "--trainer.default_root_dir", str(run_root)] if args[0] == "fit" else args, capsys
     )
     assert code == 2

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, grad_and_value, vmap
+from torch.func import functional_call, vmap
 
 from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.engine.optim import OptimizerSpec, normalize_optimizer, shrink_optimizer
@@ -35,8 +35,11 @@ class _StepCaller(nn.Module):
         super().__init__()
         self.m = module
 
-    def forward(self, x: Tensor, y: Tensor) -> Tensor:
-        return self.m.training_step((x, y), 0)
+    def forward(self, x: Tensor, y: Tensor, mask: Tensor | None = None) -> Tensor:
+        if mask is None:
+            return self.m.training_step((x, y), 0)
+        # Padded batch: the mean over the real samples, as training_step would compute it.
+        return (self.m.per_sample_loss((x, y)) * mask).sum() / mask.sum()
 
 
 @dataclass
@@ -78,12 +81,49 @@ class LocalTrainer:
         self.seed = seed
         self.dtype = next(module.parameters()).dtype
         self._caller = _StepCaller(module)
-        self._grad = vmap(grad_and_value(self._loss))
+        self._fwd = vmap(self._loss, in_dims=(0, None, 0, 0))
+        self._fwd_masked = vmap(self._loss, in_dims=(0, None, 0, 0, 0))
+        # The default training_step is a mean of per_sample_loss: partial batches can then be
+        # padded and masked (one call per step) instead of one call per distinct batch size.
+        from fedshard_lightning.module import FederatedModule
+
+        self.maskable = isinstance(module, FederatedModule) and (
+            type(module).training_step is FederatedModule.training_step
+        )
         self._worker: nn.Module | None = None
         self._client_np = [ix.cpu().numpy() for ix in datamodule.client_indices]
 
-    def _loss(self, params: dict[str, Tensor], buffers: dict[str, Tensor], x: Tensor, y: Tensor) -> Tensor:
-        return functional_call(self._caller, (params, buffers), (x, y))
+    def _loss(
+        self,
+        params: dict[str, Tensor],
+        buffers: dict[str, Tensor],
+        x: Tensor,
+        y: Tensor,
+        mask: Tensor | None = None,
+    ) -> Tensor:
+        return functional_call(self._caller, (params, buffers), (x, y, mask))
+
+    def _grad(
+        self,
+        leaves: dict[str, Tensor],
+        buffers: dict[str, Tensor],
+        x: Tensor,
+        y: Tensor,
+        mask: Tensor | None = None,
+    ) -> tuple[dict[str, Tensor], Tensor]:
+        """Per-client gradients: vmapped forward, one backward of the summed client losses.
+
+        Client c's loss depends only on its own parameter slice, so the gradient of the sum
+        with respect to that slice is exactly client c's gradient.
+        """
+        with torch.enable_grad():
+            losses = (
+                self._fwd(leaves, buffers, x, y)
+                if mask is None
+                else self._fwd_masked(leaves, buffers, x, y, mask)
+            )
+            grads = torch.autograd.grad(losses.sum(), list(leaves.values()))
+        return dict(zip(leaves, grads)), losses.detach()
 
     def schedules(self, batch: ClientBatch) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """Global sample indices [steps, B] and batch sizes [steps] of every client."""
@@ -113,7 +153,7 @@ class LocalTrainer:
         gidx_t = torch.as_tensor(gidx, device=device)
         order_t = torch.as_tensor(order, device=device)
         out = {n: torch.empty_like(start[n]) for n in self.names}
-        leaves = {_PREFIX + n: start[n].index_select(0, order_t).clone() for n in self.names}
+        leaves = {_PREFIX + n: start[n].index_select(0, order_t).requires_grad_() for n in self.names}
         buffers = {_PREFIX + n: b_ for n, b_ in self.module.named_buffers()}
         opt = self.spec.build(leaves, _PREFIX)
         loss_sum = torch.zeros(m_all, dtype=self.dtype, device=device)
@@ -125,14 +165,21 @@ class LocalTrainer:
                 m_s = int((steps_sorted > s).sum())
                 if m_s < m:
                     self._retire(out, leaves, order_t, m_s, m)
-                    new = {k: v[:m_s] for k, v in leaves.items()}
+                    new = {k: v.detach()[:m_s].requires_grad_() for k, v in leaves.items()}
                     shrink_optimizer(opt, list(leaves.values()), list(new.values()), m_s)
                     leaves, m = new, m_s
                 sizes = gsz[s, :m]
                 if (sizes == b).all():
                     x, y = self.dm.gather(gidx_t[s, :m], self.dtype)
                     grads, losses = self._grad(leaves, buffers, x, y)
-                    loss_sum[:m] += losses.detach()
+                    loss_sum[:m] += losses
+                elif self.maskable:
+                    x, y = self.dm.gather(gidx_t[s, :m], self.dtype)
+                    mask = (
+                        torch.arange(b, device=device) < torch.as_tensor(sizes, device=device)[:, None]
+                    ).to(self.dtype)
+                    grads, losses = self._grad(leaves, buffers, x, y, mask)
+                    loss_sum[:m] += losses
                 else:
                     grads = {k: torch.zeros_like(v) for k, v in leaves.items()}
                     for size in np.unique(sizes):
@@ -142,7 +189,7 @@ class LocalTrainer:
                         g_sub, l_sub = self._grad(sub, buffers, x, y)
                         for k in grads:
                             grads[k].index_copy_(0, sel, g_sub[k])
-                        loss_sum.index_add_(0, sel, l_sub.detach())
+                        loss_sum.index_add_(0, sel, l_sub)
                 for k, v in leaves.items():
                     v.grad = grads[k]
                 opt.step()

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -290,11 +291,14 @@ def _three_clusters(a: np.ndarray, seed: int, n_init: int) -> tuple[list[int], l
     n = len(a)
     if len(np.unique(a)) >= 3:
         from sklearn.cluster import KMeans  # heavy; only needed from stage 2 on
+        from sklearn.exceptions import ConvergenceWarning
 
         random_state = seed if seed < 2**32 else int(np.random.SeedSequence(seed).generate_state(1)[0])
         # One thread: on a few thousand 1-D points threading costs far more than it saves (75x
         # slower measured on 2 cores beside torch), and the labels cannot depend on the core count.
-        with _threadpool_controller().limit(limits=1):
+        # Near-duplicate alphas may leave a cluster empty (handled below): no warning needed.
+        with _threadpool_controller().limit(limits=1), warnings.catch_warnings():
+            warnings.simplefilter("ignore", ConvergenceWarning)
             km = KMeans(n_clusters=3, random_state=random_state, n_init=n_init).fit(a.reshape(-1, 1))
         labels = km.labels_
         order = np.argsort(km.cluster_centers_.ravel(), kind="stable")

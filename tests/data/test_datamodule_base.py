@@ -1,0 +1,100 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fedshard_lightning.data import DigitsDataModule, SyntheticDataModule
+from fedshard_lightning.errors import ConfigError
+
+
+class _UInt8Images(SyntheticDataModule):
+    """Synthetic uint8 [N, 3, 4, 4] images with per-channel mean/std, to exercise transform."""
+
+    mean = (0.5, 0.25, 0.125)
+    std = (0.5, 0.25, 2.0)
+
+
+@pytest.mark.parametrize("partition", ["iid", "dirichlet", "label_split"])
+def test_holdout_is_disjoint_and_within_the_client(partition):
+    kwargs = dict(num_samples=600, num_test=50, num_clients=6, partition=partition, seed=3, min_client_size=5)
+    plain = SyntheticDataModule(**kwargs)
+    held = SyntheticDataModule(**kwargs, holdout_fraction=0.25)
+    plain.setup()
+    held.setup()
+    for full, train, hold in zip(plain.client_indices, held.client_indices, held.holdout_indices):
+        train_set, hold_set = set(train.tolist()), set(hold.tolist())
+        assert not train_set & hold_set
+        assert train_set | hold_set == set(full.tolist())  # the client's own data, nothing else
+        assert len(hold) == min(max(round(len(full) * 0.25), 1), len(full) - 1)
+    everything = torch.cat([*held.client_indices, *held.holdout_indices])
+    assert sorted(everything.tolist()) == list(range(600))
+
+
+def test_no_holdout_gives_empty_holdout_sets():
+    dm = SyntheticDataModule(num_samples=100, num_clients=4, partition="iid")
+    dm.setup()
+    assert all(len(h) == 0 for h in dm.holdout_indices)
+    assert sum(dm.client_sizes) == 100
+
+
+def test_fingerprint_changes_with_the_seed_and_is_stable():
+    def fp(seed, **kw):
+        return SyntheticDataModule(
+            num_samples=200, num_clients=4, partition="dirichlet", seed=seed, **kw
+        ).fingerprint()
+
+    assert fp(0) == fp(0)
+    assert fp(0) != fp(1)
+    assert fp(0) != fp(0, holdout_fraction=0.1)
+    assert fp(0) != fp(0, noise=2.0)
+
+
+def test_transform_handles_extra_leading_batch_dims():
+    dm = _UInt8Images(
+        num_samples=40, num_test=8, shape=(3, 4, 4), as_uint8=True, num_clients=2, partition="iid"
+    )
+    dm.setup()
+    x = dm.train_x[:12]
+    flat = dm.transform(x)
+    mean = torch.tensor(dm.mean)[:, None, None]
+    std = torch.tensor(dm.std)[:, None, None]
+    torch.testing.assert_close(flat, (x.float() / 255 - mean) / std)
+    batched = dm.transform(x.reshape(2, 3, 2, 3, 4, 4))
+    assert batched.shape == (2, 3, 2, 3, 4, 4)
+    torch.testing.assert_close(batched.reshape(12, 3, 4, 4), flat)
+    # gather with index tensors of any shape returns the same normalised samples
+    idx = torch.arange(12).reshape(3, 4)
+    gx, gy = dm.gather(idx)
+    assert gx.shape == (3, 4, 3, 4, 4) and gy.shape == (3, 4)
+    torch.testing.assert_close(gx.reshape(12, 3, 4, 4), flat)
+    assert gx.dtype == torch.float32 and dm.transform(x, torch.float64).dtype == torch.float64
+
+
+def test_float_data_without_mean_passes_through():
+    dm = SyntheticDataModule(num_samples=30, num_test=5, num_clients=2, partition="iid")
+    dm.setup()
+    torch.testing.assert_close(dm.transform(dm.train_x[:3]), dm.train_x[:3])
+
+
+def test_digits_and_basic_properties():
+    dm = DigitsDataModule(num_clients=8, partition="dirichlet", rho=0.5)
+    dm.setup()
+    assert dm.input_shape == (1, 8, 8) and dm.num_classes == 10
+    assert sum(dm.client_sizes) == len(dm.train_y)
+    dm.setup()  # idempotent
+    assert sum(dm.client_sizes) == len(dm.train_y)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"num_clients": 0}, "num_clients"),
+        ({"partition": "shards"}, "partition"),
+        ({"rho": 0.0}, "rho"),
+        ({"min_client_size": 0}, "min_client_size"),
+        ({"holdout_fraction": 1.0}, "holdout_fraction"),
+    ],
+)
+def test_bad_settings_are_config_errors(kwargs, field):
+    with pytest.raises(ConfigError, match=field):
+        SyntheticDataModule(**kwargs)
