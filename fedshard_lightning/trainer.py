@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import time
 from collections.abc import Sequence
 from datetime import datetime, timezone
@@ -238,25 +239,19 @@ class FederatedTrainer:
             raise ConfigError(
                 f"data: expected a FederatedDataModule subclass, got {type(datamodule).__name__}"
             )
+        self._launch()
         self.run_dir = run_dir
         self._command = command
         self.cache = FLCache(run_dir / "cache")
         self.module, self.datamodule = model, datamodule
         self._callbacks = self._default_callbacks() + self.user_callbacks
-        datamodule.prepare_data()
+        # Fabric takes loggers and callbacks at construction, but the run directory (where the
+        # loggers write) is only known after launch on multi-process runs: attach them now.
+        self.fabric._callbacks = self._callbacks
+        self.fabric._loggers = self._loggers() if self.fabric.is_global_zero else []
+        with self.fabric.rank_zero_first():
+            datamodule.prepare_data()
         datamodule.setup("fit")
-        self.fabric = L.Fabric(
-            accelerator=self.accelerator,
-            devices=self.devices,
-            strategy=self.strategy,
-            precision=self.precision,
-            loggers=self._loggers(),
-            callbacks=self._callbacks,
-        )
-        if self.fabric.world_size > 1:
-            raise ConfigError(
-                f"trainer.devices={self.devices}: multi-process runs are not supported yet; use devices: 1"
-            )
         torch.manual_seed(self.seed)
         model.bind_data(datamodule.input_shape, datamodule.num_classes)
         model = self.fabric.strategy.precision.convert_module(model).to(self.device)
@@ -265,6 +260,18 @@ class FederatedTrainer:
         self._test_data = None
         self.algorithm.attach(self)
         self.fingerprint = self._fingerprint()
+
+    def _launch(self) -> None:
+        """Create and launch Fabric once (with ``strategy: ddp`` this starts the other processes)."""
+        if self.fabric is not None:
+            return
+        self.fabric = L.Fabric(
+            accelerator=self.accelerator,
+            devices=self.devices,
+            strategy=self.strategy,
+            precision=self.precision,
+        )
+        self.fabric.launch()
 
     def _default_callbacks(self) -> list[FederatedCallback]:
         user_types = {type(c) for c in self.user_callbacks}
@@ -409,8 +416,25 @@ class FederatedTrainer:
             ckpt_path: Run directory of an interrupted fit to resume.
         """
         resume = ckpt_path is not None
-        run_dir = self._existing_run_dir(ckpt_path, "fit") if resume else self._new_run_dir()
+        self._launch()
+        if resume:
+            run_dir = self._existing_run_dir(ckpt_path, "fit")
+        else:
+            run_dir = Path(
+                self.fabric.broadcast(str(self._new_run_dir()) if self.is_global_zero else None, src=0)
+            )
         self._print(f"run directory: {run_dir}")
+        try:
+            return self._fit(model, datamodule, run_dir, resume)
+        except BaseException:
+            # A run that failed before its first cache commit holds nothing worth keeping.
+            if not resume and self.is_global_zero and not (run_dir / "cache" / "CURRENT").exists():
+                shutil.rmtree(run_dir, ignore_errors=True)
+            raise
+
+    def _fit(
+        self, model: FederatedModule, datamodule: FederatedDataModule, run_dir: Path, resume: bool
+    ) -> dict[str, Any]:
         self._setup(model, datamodule, run_dir)
         if self.config_yaml is not None and self.is_global_zero and not (run_dir / "config.yaml").exists():
             atomic_write_bytes(run_dir / "config.yaml", self.config_yaml.encode())

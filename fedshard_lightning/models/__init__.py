@@ -2,5 +2,6 @@
 
 from fedshard_lightning.models.cnn import FedAvgCNN
 from fedshard_lightning.models.mlp import MLP
+from fedshard_lightning.models.resnet import ResNetGN
 
-__all__ = ["MLP", "FedAvgCNN"]
+__all__ = ["MLP", "FedAvgCNN", "ResNetGN"]

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from fedshard_lightning.engine import FederatedEngine, Group, LocalSchedule, RoundInfo, TrainResult
@@ -110,6 +111,10 @@ class Algorithm:
         report: bool = True,
     ) -> TrainResult:
         """Train groups with the engine; every round is reported to the callbacks when ``report``."""
+        fabric = self.trainer.fabric
+        world = fabric.world_size if fabric is not None else 1
+        if world > 1 and len(groups) > 1:
+            return self._train_distributed(init, groups, stage, on_round_end, keep_client_params, report)
 
         def hook(info: RoundInfo, state: dict[str, Tensor]) -> Sequence[bool] | None:
             if report:
@@ -117,6 +122,52 @@ class Algorithm:
             return on_round_end(info, state) if on_round_end is not None else None
 
         return self.engine.train_groups(init, groups, stage, hook, keep_client_params)
+
+    def _train_distributed(
+        self,
+        init: dict[str, Tensor],
+        groups: Sequence[Group],
+        stage: int,
+        on_round_end: Callable[[RoundInfo, dict[str, Tensor]], Sequence[bool] | None] | None,
+        keep_client_params: bool,
+        report: bool,
+    ) -> TrainResult:
+        """Multi-process: rank r trains groups r, r+W, ...; the results are gathered in order.
+
+        Groups are independent (keyed randomness), so the gathered models equal a single-process
+        run. Per-round callbacks on rank zero see rank zero's groups only.
+        """
+        fabric = self.trainer.fabric
+        world, rank = fabric.world_size, fabric.global_rank
+        mine = list(range(rank, len(groups), world))
+        sub_groups = [groups[i] for i in mine]
+        idx = torch.as_tensor(mine, dtype=torch.long, device=next(iter(init.values())).device)
+        sub_init = {k: v.index_select(0, idx) for k, v in init.items()}
+
+        def hook(info: RoundInfo, state: dict[str, Tensor]) -> Sequence[bool] | None:
+            if report:
+                self.trainer.round_end(info, state, sub_groups)
+            if on_round_end is None:
+                return None
+            local = RoundInfo(**{**vars(info), "active": [mine[a] for a in info.active]})
+            flags = on_round_end(local, state)
+            return None if flags is None else [bool(flags[g]) for g in mine]
+
+        res = self.engine.train_groups(sub_init, sub_groups, stage, hook, keep_client_params)
+        per = -(-len(groups) // world)
+        params = {}
+        for k, v in res.params.items():
+            padded = torch.zeros(per, *v.shape[1:], dtype=v.dtype, device=v.device)
+            padded[: len(mine)] = v
+            gathered = fabric.all_gather(padded)  # [world, per, ...]
+            params[k] = torch.stack([gathered[g % world, g // world] for g in range(len(groups))])
+        counters = torch.zeros(per, 2, dtype=torch.long)
+        counters[: len(mine), 0] = torch.as_tensor(res.group_client_steps, dtype=torch.long)
+        counters[: len(mine), 1] = torch.as_tensor(res.rounds_run, dtype=torch.long)
+        allc = fabric.all_gather(counters.to(fabric.device)).cpu()
+        steps = [int(allc[g % world, g // world, 0]) for g in range(len(groups))]
+        rounds = [int(allc[g % world, g // world, 1]) for g in range(len(groups))]
+        return TrainResult(params, sum(steps), steps, rounds, res.seconds, res.history)
 
     # -- to implement -----------------------------------------------------------------------------
     def fit(self) -> dict[str, Tensor]:

@@ -1,0 +1,84 @@
+"""FedShard ablation at equal total client-steps: naive sharding, A1 only, A1+A2, plain FedAvg.
+
+Paper hypothesis: naive < A1 < A1+A2 >= FedAvg. For each seed, A1+A2 runs first; its total
+client-steps C fix the budget of the others: fixed rounds T = round(C / (P * S)) for the two
+fixed-round variants and R_avg = round(C / S) FedAvg rounds, with S the client-steps of one round
+of all clients. Reports final test accuracy (mean and std over seeds) and the client-steps used.
+
+    python benchmarks/ablation.py --dataset digits --seeds 0 1 2
+    python benchmarks/ablation.py --dataset synthetic --seeds 0 1 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+from _common import quiet_trainer, silence
+
+from fedshard_lightning.data import DigitsDataModule, SyntheticDataModule
+from fedshard_lightning.models import MLP
+from fedshard_lightning.unlearning import FedAvg, FedShard
+
+
+def data(name: str, seed: int, k: int, rho: float):
+    if name == "digits":
+        return DigitsDataModule(num_clients=k, partition="dirichlet", rho=rho, min_client_size=10, seed=seed)
+    return SyntheticDataModule(
+        num_clients=k, partition="dirichlet", rho=rho, min_client_size=10, seed=seed,
+        num_samples=3000, num_test=1000, shape=(32,), num_classes_=10, noise=2.0,
+    )
+
+
+def run(alg, name, seed, k, rho, lr):
+    trainer = quiet_trainer(alg, seed=seed, vectorize="always")
+    with silence():
+        m = trainer.fit(MLP(hidden=(64, 64), lr=lr), data(name, seed, k, rho))
+    return m["test_accuracy"], m["client_steps"], trainer
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dataset", choices=["digits", "synthetic"], default="digits")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--clients", type=int, default=32)
+    ap.add_argument("--rho", type=float, default=0.1)
+    ap.add_argument("--lr", type=float, default=0.1)
+    ap.add_argument("--t0", type=int, default=2)
+    ap.add_argument("--t1", type=int, default=8)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    local = dict(batch_size=10, local_epochs=1)
+    results: dict[str, list[tuple[float, int]]] = {"naive (random + fixed)": [], "A1 + fixed": [], "A1 + A2": [], "FedAvg": []}
+    for seed in args.seeds:
+        acc, steps, trainer = run(FedShard(merge="a1", rounds="a2", t0=args.t0, t1=args.t1, **local), args.dataset, seed, args.clients, args.rho, args.lr)
+        results["A1 + A2"].append((acc, steps))
+        p = trainer.algorithm.planned_stages
+        per_round = trainer.algorithm.engine.client_steps_of(range(args.clients))
+        t_fixed = max(1, round(steps / (p * per_round)))
+        fedavg_rounds = max(1, round(steps / per_round))
+        for label, alg in (
+            ("naive (random + fixed)", FedShard(merge="random", rounds="fixed", fixed_rounds=t_fixed, **local)),
+            ("A1 + fixed", FedShard(merge="a1", rounds="fixed", fixed_rounds=t_fixed, **local)),
+            ("FedAvg", FedAvg(rounds=fedavg_rounds, **local)),
+        ):
+            acc, s, _ = run(alg, args.dataset, seed, args.clients, args.rho, args.lr)
+            results[label].append((acc, s))
+        print(f"seed {seed}: " + ", ".join(f"{k}={v[-1][0]:.4f}" for k, v in results.items()), flush=True)
+    print(f"\n{args.dataset}, K={args.clients}, R=2, Dirichlet rho={args.rho}, seeds {args.seeds}")
+    print(f"{'variant':<24} {'accuracy mean':>13} {'std':>7} {'client-steps (mean)':>20}")
+    summary = {}
+    for label, rows in results.items():
+        accs = [a for a, _ in rows]
+        mean, std = statistics.mean(accs), statistics.pstdev(accs)
+        steps = statistics.mean(s for _, s in rows)
+        summary[label] = {"accuracy_mean": mean, "accuracy_std": std, "client_steps_mean": steps, "accuracies": accs}
+        print(f"{label:<24} {mean:>13.4f} {std:>7.4f} {steps:>20.0f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

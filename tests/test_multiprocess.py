@@ -1,0 +1,68 @@
+"""Fabric DDP on CPU (gloo, 2 processes): shards of a stage split across ranks, same model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+TINY = [
+    "--data.num_clients",
+    "8",
+    "--trainer.algorithm.t0",
+    "1",
+    "--trainer.algorithm.t1",
+    "2",
+    "--trainer.enable_progress_bar",
+    "false",
+    "--trainer.vectorize",
+    "always",
+]
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    return subprocess.run(
+        [sys.executable, "-m", "fedshard_lightning", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+
+
+def test_ddp_two_processes_equals_single_process(tmp_path: Path):
+    ddp = ["--trainer.strategy", "ddp", "--trainer.devices", "2"]
+    out = {}
+    for name, extra in (("single", []), ("ddp", ddp)):
+        root = tmp_path / name
+        r = _cli("fit", *TINY, *extra, "--trainer.default_root_dir", str(root))
+        assert r.returncode == 0, r.stderr[-2000:]
+        runs = list(root.iterdir())
+        assert len(runs) == 1, "one run directory, created by rank zero only"
+        run = runs[0]
+        assert r.stdout.count("fit done") == 1, "printing happens once"
+        u = _cli(
+            "unlearn",
+            "--config",
+            str(run / "config.yaml"),
+            "--ckpt_path",
+            str(run),
+            "--clients",
+            "[2, 5]",
+            *extra,
+        )
+        assert u.returncode == 0, u.stderr[-2000:]
+        out[name] = run
+    a = load_file(str(out["single"] / "model.safetensors"))
+    b = load_file(str(out["ddp"] / "model.safetensors"))
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6  # float32; observed 0.0
+    ra = json.loads((out["single"] / "unlearn_report.json").read_text())
+    rb = json.loads((out["ddp"] / "unlearn_report.json").read_text())
+    assert ra["client_steps"] == rb["client_steps"] == rb["predicted_client_steps"]
+    versions = sorted(p.name for p in (out["ddp"] / "cache").iterdir() if p.is_dir())
+    assert len(versions) == len(set(versions)) and all(not v.startswith(".") for v in versions)
