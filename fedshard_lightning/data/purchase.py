@@ -169,7 +169,7 @@ class Purchase100DataModule(FederatedDataModule):
 
     def prepare_data(self) -> None:
         """Fetch, verify and extract the archive when ``download`` is set and no data file is there."""
-        if not self.download or find_first(self.root, (_NPZ, _CSV)) is not None:
+        if not self.download or find_first(self.root, (_NPZ, _CSV, _ARCHIVE)) is not None:
             return
         files = self._remote_files()
         if not files:
