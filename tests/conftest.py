@@ -11,6 +11,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+# Tiny models gain nothing from intra-op threads, and several pytest processes (or pytest beside
+# other work) on a 2-core machine oversubscribe the cores: one thread keeps tests fast everywhere.
+torch.set_num_threads(1)
+
 
 @pytest.fixture(autouse=True)
 def _isolate(tmp_path, monkeypatch):

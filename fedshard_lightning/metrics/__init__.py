@@ -6,6 +6,13 @@ Fairness metrics: FedShard paper section 5, equations (6) and (7); membership in
 
 from __future__ import annotations
 
+from fedshard_lightning.metrics.client_alpha import (
+    PROBE_STAGE,
+    client_alphas,
+    client_probe_updates,
+    per_client_accuracy,
+    sample_logits,
+)
 from fedshard_lightning.metrics.fairness import (
     EfficiencyFairness,
     PerformanceFairness,
@@ -17,11 +24,16 @@ from fedshard_lightning.metrics.mia import ATTACK_CLASSIFIERS, MembershipInferen
 
 __all__ = [
     "ATTACK_CLASSIFIERS",
+    "PROBE_STAGE",
     "EfficiencyFairness",
     "MembershipInferenceAttack",
     "PerformanceFairness",
     "attack_features",
+    "client_alphas",
     "client_distances",
+    "client_probe_updates",
     "efficiency_fairness",
+    "per_client_accuracy",
     "performance_fairness",
+    "sample_logits",
 ]

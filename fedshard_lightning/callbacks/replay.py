@@ -1,0 +1,625 @@
+r"""Unlearning replay after ``fit``: per-client unlearning costs, M_e, M_p, MIA F1, plots, W&B report.
+
+FedShard paper section 5 (fairness metrics) and section 6 / Appendix G (evaluation), made precise
+by SPEC sections 4, 8 and 10. At the end of ``fit`` :class:`UnlearningReplay` asks, for every
+client ``c``, "what would it cost to unlearn ``c`` alone?":
+
+* ``mode="predicted"``: ``Z_c`` = ``algorithm.predict_cost([c])`` client-steps, for every client,
+  without training (cheap: a walk over the frozen tree / the round schedule).
+* ``mode="measured"``: every client of the sample is actually unlearned alone with
+  ``algorithm.unlearn([c])`` (seconds and client-steps recorded); after each request the
+  committed state is restored with ``algorithm.load_cache(trainer.cache)``, so the next request
+  starts again from the fitted model and nothing of the run (model file, cache) changes.
+
+What "after" means for M_p (our reading of the paper, documented in ``docs/fairness.md``):
+the paper defines ``M_p`` for *one* unlearning request that splits the clients into leaving
+``C_L`` and remaining ``C_R``, as a mean over *all* clients ``c`` of
+``f(DeltaY(D_c), min_{c_r in C_R} Dis(c, c_r))``. Applied to "each client leaves alone", every
+single-client request ``{l}`` is such an event: ``DeltaY(D_c)`` is the accuracy on ``c``'s data of
+the fitted model minus that of **the model after unlearning ``l`` alone**, for every client ``c``
+(the leaving one and all remaining ones), with leaving mask ``{l}``. That gives one
+``M_p({l})`` per measured request; ``summary["M_p"]`` is their mean (``M_p_median`` their median,
+the statistic the paper reports over repetitions). In ``clients.csv``, ``acc_after`` and
+``delta_acc`` of client ``c`` are those of the model after unlearning ``c`` itself (how much it
+was forgotten), and ``M_p_request`` is ``M_p({c})``.
+
+Client alphas (SPEC section 4): one probe round of every client from the fitted model (the shared
+reference), :func:`~fedshard_lightning.metrics.client_alpha.client_alphas`.
+
+``M_e`` (SPEC section 8) is computed with the costs in seconds when measured (``M_e_seconds``) and
+in client-steps always (``M_e_steps``, deterministic); ``summary["M_e"]`` is the seconds version
+in measured mode and the client-step version in predicted mode.
+
+Membership inference (SPEC section 10, :mod:`fedshard_lightning.metrics.mia`): see
+:class:`MembershipAudit`. ``mia_f1_before`` scores the fitted model on the evaluated clients'
+data; ``mia_f1_after`` pools, over the measured requests, the model after unlearning ``c`` on
+``c``'s data.
+
+Files written into ``trainer.run_dir/fairness/``: ``clients.csv``, ``summary.json``,
+``cost_distribution.png``, ``round_accuracy.png``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from fedshard_lightning.callbacks.base import FederatedCallback
+from fedshard_lightning.engine import predict_logits
+from fedshard_lightning.errors import ConfigError
+from fedshard_lightning.metrics.client_alpha import client_alphas, per_client_accuracy, sample_logits
+from fedshard_lightning.metrics.fairness import efficiency_fairness, performance_fairness
+from fedshard_lightning.metrics.mia import MembershipInferenceAttack
+
+__all__ = [
+    "CLIENT_COLUMNS",
+    "MembershipAudit",
+    "UnlearningReplay",
+    "plot_cost_distribution",
+    "plot_round_accuracy",
+]
+
+CLIENT_COLUMNS = (
+    "client",
+    "n_samples",
+    "alpha",
+    "Z_steps",
+    "Z_steps_predicted",
+    "Z_seconds",
+    "acc_before",
+    "acc_after",
+    "delta_acc",
+    "M_p_request",
+    "measured",
+)
+"""Columns of ``fairness/clients.csv`` (and of the W&B table)."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Membership inference protocol
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _MIASplit:
+    fit_members: Tensor
+    eval_members: dict[int, Tensor]
+    fit_nonmembers: Tensor
+    eval_nonmembers: Tensor
+
+
+class MembershipAudit:
+    """The MIA protocol of :mod:`fedshard_lightning.metrics.mia` on a federated datamodule.
+
+    * The test set is split in two disjoint halves (seeded): one gives the attack's fitting
+      non-members, the other the evaluation non-members.
+    * Fitting members: the training samples of every client that is *not* evaluated (not in
+      ``leaving``), scored by the reference (original, non-unlearned) model. If every client is
+      evaluated, each client's samples are split in two seeded halves instead: one half fits the
+      attack, the other is scored, so the attack is never scored on a sample it was fitted on.
+    * Evaluation members: the (scored part of the) leaving clients' samples, under the model being
+      evaluated; non-members: the evaluation half of the test set under the same model.
+
+    Args:
+        module: The model (its own parameters are not used).
+        datamodule: The federated datamodule (set up, on the module's device).
+        reference_params: The original model the attack is fitted on.
+        leaving: Clients whose membership is evaluated.
+        seed: Seeds the splits, the balancing subsamples and the attack classifier.
+        classifier: Attack model, see :class:`~fedshard_lightning.metrics.MembershipInferenceAttack`.
+    """
+
+    def __init__(
+        self,
+        module: Any,
+        datamodule: Any,
+        reference_params: dict[str, Tensor],
+        leaving: Sequence[int],
+        seed: int = 0,
+        classifier: str = "gradient_boosting",
+    ) -> None:
+        self.module, self.dm = module, datamodule
+        self.leaving = sorted(int(c) for c in leaving)
+        if not self.leaving:
+            raise ValueError("MembershipAudit: name at least one leaving client")
+        self.seed = int(seed)
+        self.split = self._split()
+        self.attack = MembershipInferenceAttack(classifier=classifier, seed=self.seed)
+        dtype = next(iter(reference_params.values())).dtype
+        self._test_x, _ = datamodule.test_data(dtype)
+        self.attack.fit(
+            sample_logits(module, reference_params, datamodule, self.split.fit_members),
+            self._test_logits(reference_params, self.split.fit_nonmembers),
+        )
+
+    def _split(self) -> _MIASplit:
+        rng = np.random.default_rng([self.seed, 7_177])
+        n_test = len(self.dm.test_y)
+        perm = torch.as_tensor(rng.permutation(n_test), dtype=torch.long)
+        fit_non, eval_non = perm[: n_test // 2].sort().values, perm[n_test // 2 :].sort().values
+        parts = self.dm.client_indices
+        others = [parts[c].cpu() for c in range(len(parts)) if c not in set(self.leaving)]
+        others = [o for o in others if len(o)]
+        if others:
+            fit = torch.cat(others)
+            scored = {c: parts[c].cpu() for c in self.leaving}
+        else:
+            fit_parts, scored = [], {}
+            for c in self.leaving:
+                idx = parts[c].cpu()
+                shuffled = idx[torch.as_tensor(rng.permutation(len(idx)), dtype=torch.long)]
+                half = len(idx) // 2
+                fit_parts.append(shuffled[:half])
+                scored[c] = shuffled[half:].sort().values
+            fit = torch.cat(fit_parts)
+        return _MIASplit(fit.sort().values, scored, fit_non, eval_non)
+
+    def _test_logits(self, params: dict[str, Tensor], idx: Tensor) -> Tensor:
+        return predict_logits(self.module, params, self._test_x[idx.to(self._test_x.device)])
+
+    def logits(
+        self, params: dict[str, Tensor], clients: Sequence[int] | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Member logits (the clients' scored samples) and non-member logits (test half) of a model."""
+        ids = self.leaving if clients is None else [int(c) for c in clients]
+        unknown = sorted(set(ids) - set(self.split.eval_members))
+        if unknown:
+            raise ValueError(f"MembershipAudit: clients {unknown} are not among the audited {self.leaving}")
+        members_idx = torch.cat([self.split.eval_members[c] for c in ids])
+        return (
+            sample_logits(self.module, params, self.dm, members_idx).cpu(),
+            self._test_logits(params, self.split.eval_nonmembers).cpu(),
+        )
+
+    def f1(self, params: dict[str, Tensor], clients: Sequence[int] | None = None) -> float:
+        """Attack F1 of a model on the clients' data (default: all leaving clients) vs test data."""
+        return self.attack.f1(*self.logits(params, clients))
+
+    def pooled_f1(self, pairs: Sequence[tuple[Tensor, Tensor]]) -> float:
+        """F1 over the concatenated (members, non-members) logits of several models."""
+        members = torch.cat([m for m, _ in pairs])
+        nonmembers = torch.cat([n for _, n in pairs])
+        return self.attack.f1(members, nonmembers)
+
+
+# --------------------------------------------------------------------------------------------------
+# Plots
+# --------------------------------------------------------------------------------------------------
+
+
+def _figure(width: float, height: float) -> Any:
+    from matplotlib.figure import Figure  # Agg canvas, no pyplot, no global backend state
+
+    return Figure(figsize=(width, height), dpi=100, layout="constrained")
+
+
+def plot_cost_distribution(
+    costs: dict[str, Sequence[float]],
+    path: str | Path,
+    alphas: Sequence[float] | None = None,
+    alpha_costs: Sequence[float] | None = None,
+    title: str = "Unlearning cost per client",
+) -> Path:
+    """Violin + box + points of unlearning costs over clients, one panel per cost unit.
+
+    Like the paper's cost-distribution figure (unlearning cost of every single-client request).
+    With ``alphas``, a last panel shows the cost against ``|alpha_c|``: the relation M_e weighs.
+
+    Args:
+        costs: Panel title (e.g. ``"client-steps"``) -> cost of every client.
+        path: Output PNG.
+        alphas: Client alphas, aligned with ``alpha_costs``.
+        alpha_costs: Costs plotted against ``|alpha|`` (default: the first panel's).
+        title: Figure title.
+    """
+    panels = [(k, np.asarray(v, dtype=np.float64)) for k, v in costs.items() if len(v)]
+    n = len(panels) + (1 if alphas is not None and len(alphas) else 0)
+    fig = _figure(4.2 * max(n, 1), 4.0)
+    axes = fig.subplots(1, max(n, 1), squeeze=False)[0]
+    rng = np.random.default_rng(0)
+    for ax, (label, vals) in zip(axes, panels):
+        if np.ptp(vals) > 0 and len(vals) > 1:
+            parts = ax.violinplot(vals, positions=[1], showextrema=False, widths=0.8)
+            for body in parts["bodies"]:
+                body.set_alpha(0.35)
+        ax.boxplot(vals, positions=[1], widths=0.25, showfliers=False)
+        ax.scatter(1 + rng.uniform(-0.18, 0.18, len(vals)), vals, s=12, alpha=0.7, color="tab:red", zorder=3)
+        ax.axhline(float(vals.mean()), color="tab:green", ls="--", lw=1, label=f"mean {vals.mean():.4g}")
+        ax.set_xticks([1], [f"{len(vals)} clients"])
+        ax.set_ylabel(f"unlearning cost ({label})")
+        ax.set_title(f"{label}: std {vals.std():.3g}")
+        ax.legend(loc="best", fontsize=8)
+    if n > len(panels):
+        ax = axes[-1]
+        ys = np.asarray(alpha_costs if alpha_costs is not None else panels[0][1], dtype=np.float64)
+        ax.scatter(np.abs(np.asarray(alphas, dtype=np.float64)), ys, s=14, color="tab:blue")
+        ax.set_xlabel("|alpha_c| (rad)")
+        ax.set_ylabel("unlearning cost")
+        ax.set_title("cost vs contribution")
+    fig.suptitle(title)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    return path
+
+
+def plot_round_accuracy(history: Sequence[dict[str, float]], path: str | Path, title: str = "") -> Path:
+    """Test accuracy (and train loss) per global round, with a vertical line at every stage boundary.
+
+    Like the paper's ablation figure (global model accuracy through FedShard's stages). Rounds
+    without a test evaluation (``eval_every_n_rounds``) are skipped in the accuracy curve.
+    """
+    fig = _figure(7.5, 4.0)
+    ax = fig.subplots()
+    xs = [h.get("global_round", i + 1) for i, h in enumerate(history)]
+    acc = [(x, h["test_accuracy"]) for x, h in zip(xs, history) if "test_accuracy" in h]
+    loss = [(x, h["train_loss"]) for x, h in zip(xs, history) if "train_loss" in h]
+    if acc:
+        ax.plot(*zip(*acc), marker="o", ms=3, color="tab:blue", label="test accuracy")
+    ax.set_xlabel("global round")
+    ax.set_ylabel("test accuracy", color="tab:blue")
+    handles = list(ax.get_lines())
+    if loss:
+        ax2 = ax.twinx()
+        ax2.plot(*zip(*loss), color="tab:orange", ls="--", lw=1, label="train loss")
+        ax2.set_ylabel("train loss", color="tab:orange")
+        handles += list(ax2.get_lines())
+    if handles:
+        ax.legend(handles, [h.get_label() for h in handles], loc="center right", fontsize=8)
+    if not history:
+        ax.text(0.5, 0.5, "no rounds recorded", ha="center", va="center", transform=ax.transAxes)
+    stages = [h.get("stage") for h in history]
+    starts = [0] + [i for i in range(1, len(stages)) if stages[i] != stages[i - 1]]
+    for j, i in enumerate(starts):
+        if i > 0:
+            ax.axvline(xs[i] - 0.5, color="gray", ls=":", lw=1.2)
+        end = starts[j + 1] if j + 1 < len(starts) else len(stages)
+        mid = (xs[i] + xs[end - 1]) / 2
+        ax.text(
+            mid, 1.01, f"stage {int(stages[i])}", transform=ax.get_xaxis_transform(), ha="center", fontsize=8
+        )
+    ax.grid(alpha=0.3)
+    fig.suptitle(title or "Global model accuracy per round")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    return path
+
+
+# --------------------------------------------------------------------------------------------------
+# The callback
+# --------------------------------------------------------------------------------------------------
+
+
+def _stats(values: Sequence[float]) -> dict[str, float | None]:
+    vals = [float(v) for v in values]
+    if not vals:
+        return {"mean": None, "var": None, "std": None, "min": None, "max": None}
+    mean = sum(vals) / len(vals)
+    var = sum((v - mean) ** 2 for v in vals) / len(vals)
+    return {"mean": mean, "var": var, "std": math.sqrt(var), "min": min(vals), "max": max(vals)}
+
+
+def _clean(value: Any) -> Any:
+    """JSON-safe: NaN/inf -> None, tensors and numpy scalars -> Python numbers."""
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    if isinstance(value, (Tensor, np.generic)):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _retrain_cost(alg: Any, client: int) -> int | None:
+    """Client-steps of retraining from scratch without one client, when the algorithm says."""
+    try:
+        return int(alg.retrain_cost([client]))
+    except NotImplementedError:
+        return None
+
+
+class UnlearningReplay(FederatedCallback):
+    """After ``fit``: unlearning cost of every client, M_e, M_p, MIA F1, CSV/JSON/PNG and W&B report.
+
+    Args:
+        mode: ``predicted`` (``Z_c`` from ``predict_cost``, nothing is trained) or ``measured``
+            (every client of the sample is unlearned alone, timed, and the run's state restored).
+        clients: Clients considered (default: all). M_e and the table cover these; M_p is always
+            a mean over all clients of the partition (the paper's definition).
+        sample: In measured mode, unlearn only this many clients of ``clients`` (seeded choice);
+            ``None`` unlearns all of them. In predicted mode it selects the MIA's evaluated clients.
+        seed: Seed of the sample and of the membership-inference attack.
+        mia: Run the membership-inference attack.
+        eps_alpha: Floor of ``|alpha_c|`` in M_e.
+        eps0: Offset of the M_p normalisation.
+        eps1: Added to the range of the M_p normalisation.
+        holdout: Measure ``Y(D_c)`` on each client's held-out samples (needs the datamodule's
+            ``holdout_fraction > 0``) instead of its training samples.
+        mia_classifier: Attack model of the MIA.
+        plots: Write the two PNG plots (and send them to W&B).
+    """
+
+    def __init__(
+        self,
+        mode: Literal["predicted", "measured"] = "predicted",
+        clients: list[int] | None = None,
+        sample: int | None = None,
+        seed: int = 0,
+        mia: bool = True,
+        eps_alpha: float = 1e-6,
+        eps0: float = 0.01,
+        eps1: float = 1e-12,
+        holdout: bool = False,
+        mia_classifier: Literal[
+            "gradient_boosting", "logistic", "mlp", "random_forest"
+        ] = "gradient_boosting",
+        plots: bool = True,
+    ) -> None:
+        if mode not in ("predicted", "measured"):
+            raise ConfigError(f"UnlearningReplay.mode={mode!r}: choose predicted or measured")
+        if sample is not None and (isinstance(sample, bool) or not isinstance(sample, int) or sample < 1):
+            raise ConfigError(f"UnlearningReplay.sample={sample!r}: must be a positive integer or null")
+        for name, value in (("eps_alpha", eps_alpha), ("eps0", eps0), ("eps1", eps1)):
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ConfigError(f"UnlearningReplay.{name}={value!r}: must be a positive number")
+        self.mode = mode
+        self.clients = None if clients is None else [int(c) for c in clients]
+        self.sample = sample
+        self.seed = int(seed)
+        self.mia = bool(mia)
+        self.eps_alpha, self.eps0, self.eps1 = float(eps_alpha), float(eps0), float(eps1)
+        self.holdout = bool(holdout)
+        self.mia_classifier = mia_classifier
+        self.plots = bool(plots)
+        self.summary: dict[str, Any] | None = None
+        self.rows: list[dict[str, Any]] = []
+
+    # -- hook ------------------------------------------------------------------------------------
+    def on_fit_end(self, trainer: Any, metrics: dict[str, float]) -> None:
+        """Replay, write the files and report (rank zero only)."""
+        if not trainer.is_global_zero:
+            return
+        self.run(trainer, metrics)
+
+    # -- the replay ------------------------------------------------------------------------------
+    def _population(self, alg: Any) -> list[int]:
+        k = alg.num_clients
+        pop = alg.active_clients if self.clients is None else sorted(set(self.clients))
+        bad = [c for c in pop if not 0 <= c < k]
+        if bad:
+            raise ConfigError(f"UnlearningReplay.clients: unknown client ids {bad} (valid ids: 0..{k - 1})")
+        if not pop:
+            raise ConfigError("UnlearningReplay.clients: no client to evaluate")
+        return pop
+
+    def _sampled(self, population: list[int]) -> list[int]:
+        if self.sample is None or self.sample >= len(population):
+            return list(population)
+        rng = np.random.default_rng(self.seed)
+        return sorted(int(c) for c in rng.choice(population, size=self.sample, replace=False))
+
+    def run(self, trainer: Any, metrics: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Compute everything, write ``run_dir/fairness/*`` and log; returns the summary."""
+        t_start = time.perf_counter()
+        alg, dm, module = trainer.algorithm, trainer.datamodule, trainer.module
+        k = alg.num_clients
+        population = self._population(alg)
+        chosen = self._sampled(population)
+        measured = self.mode == "measured"
+        if measured and (trainer.cache is None or not trainer.cache.exists()):
+            raise ConfigError("UnlearningReplay(mode='measured') needs the run's committed FLCache")
+        split = "holdout" if self.holdout else "train"
+
+        reference = {n: v.detach().clone() for n, v in alg.current_params().items()}
+        t = time.perf_counter()
+        alphas = client_alphas(alg, reference).cpu()
+        probe_seconds = time.perf_counter() - t
+        acc_before = per_client_accuracy(module, reference, dm, split)
+        sizes = dm.client_sizes
+        z_pred = {c: int(alg.predict_cost([c])) for c in population}
+
+        audit = None
+        if self.mia:
+            audit = MembershipAudit(module, dm, reference, chosen, self.seed, self.mia_classifier)
+        f1_before = audit.f1(reference) if audit is not None else None
+
+        z_steps: dict[int, int] = {}
+        z_sec: dict[int, float] = {}
+        acc_after: dict[int, float] = {}
+        mp_request: dict[int, float] = {}
+        drop_remaining: list[float] = []
+        after_logits: list[tuple[Tensor, Tensor]] = []
+        test_after: list[float] = []
+        if measured:
+            for c in chosen:
+                try:
+                    res = alg.unlearn([c])
+                    z_steps[c], z_sec[c] = int(res.client_steps), float(res.seconds)
+                    after = per_client_accuracy(module, res.params, dm, split)
+                    delta = torch.nan_to_num(acc_before - after, nan=0.0)
+                    acc_after[c] = float(after[c])
+                    if k > 1:
+                        mask = torch.zeros(k, dtype=torch.bool)
+                        mask[c] = True
+                        mp_request[c] = float(performance_fairness(delta, alphas, mask, self.eps0, self.eps1))
+                        drop_remaining.append(float(delta[~mask].mean()))
+                    if audit is not None:
+                        after_logits.append(audit.logits(res.params, [c]))
+                    test_after.append(trainer.evaluate(res.params)[0])
+                finally:
+                    alg.load_cache(trainer.cache)  # back to the committed (fitted) state
+        f1_after = audit.pooled_f1(after_logits) if audit is not None and after_logits else None
+
+        pop_alpha = alphas[population]
+        me_clients = chosen if measured else population
+        steps_costs = torch.tensor(
+            [float(z_steps[c] if measured else z_pred[c]) for c in me_clients], dtype=torch.float64
+        )
+        me_steps = float(efficiency_fairness(steps_costs, alphas[me_clients], self.eps_alpha))
+        me_pred = float(
+            efficiency_fairness(
+                torch.tensor([float(z_pred[c]) for c in population], dtype=torch.float64),
+                pop_alpha,
+                self.eps_alpha,
+            )
+        )
+        me_sec = None
+        if z_sec:
+            me_sec = float(
+                efficiency_fairness(
+                    torch.tensor([z_sec[c] for c in chosen], dtype=torch.float64),
+                    alphas[chosen],
+                    self.eps_alpha,
+                )
+            )
+
+        self.rows = []
+        for c in population:
+            before = float(acc_before[c])
+            after_c = acc_after.get(c)
+            self.rows.append(
+                {
+                    "client": c,
+                    "n_samples": int(sizes[c]),
+                    "alpha": float(alphas[c]),
+                    "Z_steps": z_steps.get(c, z_pred[c]),
+                    "Z_steps_predicted": z_pred[c],
+                    "Z_seconds": z_sec.get(c),
+                    "acc_before": before,
+                    "acc_after": after_c,
+                    "delta_acc": (before - after_c) if after_c is not None else None,
+                    "M_p_request": mp_request.get(c),
+                    "measured": c in z_steps,
+                }
+            )
+
+        st_steps = _stats([z_steps[c] for c in chosen] if z_steps else list(z_pred.values()))
+        st_pred = _stats(list(z_pred.values()))
+        st_sec = _stats(list(z_sec.values()))
+        mp_values = list(mp_request.values())
+        leaving_drop = [r["delta_acc"] for r in self.rows if r["delta_acc"] is not None]
+        summary: dict[str, Any] = {
+            "mode": self.mode,
+            "algorithm": alg.name,
+            "num_clients": k,
+            "clients_evaluated": len(population),
+            "clients_unlearned": len(z_steps),
+            "M_e": me_sec if measured else me_steps,
+            "M_e_steps": me_steps,
+            "M_e_steps_predicted": me_pred,
+            "M_e_seconds": me_sec,
+            "M_p": (sum(mp_values) / len(mp_values)) if mp_values else None,
+            "M_p_median": statistics.median(mp_values) if mp_values else None,
+            "mia_f1_before": f1_before,
+            "mia_f1_after": f1_after,
+            "mia_f1": f1_after if f1_after is not None else f1_before,
+            "unlearn_seconds_mean": st_sec["mean"],
+            "unlearn_seconds_var": st_sec["var"],
+            "unlearn_seconds_std": st_sec["std"],
+            "unlearn_client_steps_mean": st_steps["mean"],
+            "unlearn_client_steps_var": st_steps["var"],
+            "unlearn_client_steps_std": st_steps["std"],
+            "unlearn_client_steps_min": st_steps["min"],
+            "unlearn_client_steps_max": st_steps["max"],
+            "predicted_client_steps_mean": st_pred["mean"],
+            "predicted_client_steps_var": st_pred["var"],
+            "retrain_client_steps": _retrain_cost(alg, population[0]),
+            "fit_client_steps": int(getattr(alg, "total_client_steps", 0)),
+            "alpha_abs_mean": float(pop_alpha.abs().mean()),
+            "acc_before_mean": float(torch.nan_to_num(acc_before[population]).mean()),
+            "delta_acc_leaving_mean": (sum(leaving_drop) / len(leaving_drop)) if leaving_drop else None,
+            "delta_acc_remaining_mean": (
+                sum(drop_remaining) / len(drop_remaining) if drop_remaining else None
+            ),
+            "test_accuracy": (metrics or {}).get("test_accuracy"),
+            "test_accuracy_after_mean": (sum(test_after) / len(test_after)) if test_after else None,
+            "probe_seconds": probe_seconds,
+            "accuracy_split": split,
+            "eps_alpha": self.eps_alpha,
+            "eps0": self.eps0,
+            "eps1": self.eps1,
+        }
+        summary["replay_seconds"] = time.perf_counter() - t_start
+        self.summary = _clean(summary)
+        self._write(trainer)
+        return self.summary
+
+    # -- output ----------------------------------------------------------------------------------
+    def _write(self, trainer: Any) -> None:
+        if trainer.run_dir is None:
+            return
+        out = Path(trainer.run_dir) / "fairness"
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / "clients.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(CLIENT_COLUMNS))
+            writer.writeheader()
+            for row in self.rows:
+                writer.writerow({k: ("" if v is None else v) for k, v in row.items()})
+        (out / "summary.json").write_text(json.dumps(self.summary, indent=2, allow_nan=False) + "\n")
+        plots: dict[str, Path] = {}
+        if self.plots:
+            costs = {
+                "client-steps": [r["Z_steps"] for r in self.rows if r["measured"] or self.mode == "predicted"]
+            }
+            secs = [r["Z_seconds"] for r in self.rows if r["Z_seconds"] is not None]
+            if secs:
+                costs["seconds"] = secs
+            alpha_rows = [r for r in self.rows if r["measured"] or self.mode == "predicted"]
+            name = f"{trainer.algorithm.name}, {self.mode}"
+            plots["cost_distribution"] = plot_cost_distribution(
+                costs,
+                out / "cost_distribution.png",
+                alphas=[r["alpha"] for r in alpha_rows],
+                alpha_costs=[r["Z_steps"] for r in alpha_rows],
+                title=f"Unlearning cost per client ({name})",
+            )
+            plots["round_accuracy"] = plot_round_accuracy(
+                trainer.history, out / "round_accuracy.png", title=f"Global model accuracy ({name})"
+            )
+        self._log(trainer, plots)
+
+    def _log(self, trainer: Any, plots: dict[str, Path]) -> None:
+        scalars = {
+            f"fairness/{k}": float(v)
+            for k, v in self.summary.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
+        trainer.fabric.log_dict(scalars, step=len(trainer.history))
+        for logger in trainer.fabric.loggers:
+            if type(logger).__name__ != "WandbLogger":
+                continue
+            from lightning.pytorch.loggers import WandbLogger
+
+            if not isinstance(logger, WandbLogger):
+                continue
+            import wandb
+
+            run = logger.experiment
+            payload: dict[str, Any] = {
+                "fairness/clients": wandb.Table(
+                    columns=list(CLIENT_COLUMNS), data=[[row[c] for c in CLIENT_COLUMNS] for row in self.rows]
+                )
+            }
+            for key, path in plots.items():
+                payload[f"fairness/{key}"] = wandb.Image(str(path))
+            run.log(payload)
+            for key in ("M_e", "M_p", "mia_f1", "unlearn_seconds_mean"):
+                if self.summary.get(key) is not None:
+                    run.summary[key] = self.summary[key]
+            for key, value in self.summary.items():
+                if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+                    run.summary[f"fairness/{key}"] = value

@@ -1,0 +1,419 @@
+r"""Cascaded leaving (FedShard paper, Appendix G.5; SPEC section 10).
+
+Setting ("two label partitions"): the data is split by labels into two halves; with
+``label_split_fraction = 0.75`` and 64 clients, 48 clients hold data of the first half of the
+labels (the majority) and 16 the other half (the minority), IID inside each group
+(:func:`~fedshard_lightning.data.partition.label_split_partition`; the majority group is
+clients ``0..47``).
+
+Protocol, for every method (FedShard by default, and FedAvg retraining; any
+:class:`~fedshard_lightning.unlearning.Algorithm` works):
+
+1. Train on all clients; ``Y_c`` = accuracy of the trained model on client ``c``'s data.
+2. ``initial_leavers`` (5) clients drawn (seeded, the same for every method) from the minority
+   leave: one unlearning request.
+3. Every remaining client ``r`` compares its payoffs (paper G.5):
+   staying ``W^k = -DeltaY_r - Z``, leaving ``W^l = -Y*``; it leaves iff ``W^k < W^l``, i.e.
+   ``DeltaY_r > Y* - Z``.
+4. The clients that decided to leave are unlearned together (one request) and step 3 repeats
+   with the new model, until nobody leaves (or ``max_iterations``).
+
+Our readings, where the paper leaves quantities undefined (also in ``docs/fairness.md``):
+
+* ``DeltaY_r``: accuracy on ``r``'s local data (training samples, or its held-out samples with
+  ``holdout: true``) of the model before the latest request minus after it, as a fraction in
+  ``[0, 1]``. The payoff compares staying vs leaving *now*, so earlier drops (already accepted)
+  are not counted again.
+* ``Z``: the cost of the latest request to the system, normalised by the cost of the original
+  training so that it is unit-free like an accuracy: ``Z = cost_weight * cost(request) /
+  cost(fit)``, with cost in client-steps (deterministic, default) or seconds. ``cost_weight`` is
+  the accuracy drop a client would accept to avoid one full retraining (default 0.01: a full
+  retraining weighs like one accuracy point). The paper reports unlearning time; it gives no
+  normalisation, and an unnormalised time in seconds cannot be subtracted from an accuracy.
+* ``Y*``: not defined in the paper. We read it as the client's *reservation* loss: what it is
+  ready to lose before leaving beats staying (its outside option). A constant per experiment,
+  ``y_star`` (default 0.1, ten accuracy points). It must exceed the accuracy granularity of one
+  client's data: with 64 Digits clients a majority client holds about 15 samples, so one sample
+  flipping by chance is 6.7 points; with ``y_star = 0.05`` that noise alone makes clients leave
+  (measured: FedShard 1, FedAvg retraining 16 cascaded leavers), with 0.1 neither method causes
+  any, as the paper reports for exact methods.
+
+Results go to ``output_dir/cascade.json``: per method, the number of cascaded leavers (not
+counting the initial ones), who they are (majority / minority), every iteration's request, cost
+and accuracy drops, and M_p of the first request (client alphas from one probe round on the first
+method's trained model, shared by all methods, SPEC section 4).
+
+Run: ``python -m fedshard_lightning.experiments.cascade --output_dir runs/cascade`` (``--help``
+for the options; ``--config file.yaml`` takes the same keys, with ``class_path`` for
+``algorithms``, ``model`` and ``data``).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from fedshard_lightning.data.base import FederatedDataModule
+from fedshard_lightning.errors import ConfigError
+from fedshard_lightning.metrics.client_alpha import client_alphas, per_client_accuracy
+from fedshard_lightning.metrics.fairness import performance_fairness
+from fedshard_lightning.module import FederatedModule
+from fedshard_lightning.unlearning.base import Algorithm
+
+__all__ = ["ExperimentSetting", "MethodRun", "cascade", "main", "minority_clients"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Shared by the cascade and poisoning experiments
+# --------------------------------------------------------------------------------------------------
+
+
+def default_algorithms() -> list[Algorithm]:
+    """FedShard (the digits defaults) and FedAvg retraining with a comparable budget."""
+    from fedshard_lightning.unlearning import FedAvg, FedShard
+
+    return [
+        FedShard(merge_rate=2, merge="a1", rounds="a2", t0=2, t1=8, batch_size=10, local_epochs=2),
+        FedAvg(rounds=20, batch_size=10, local_epochs=2),
+    ]
+
+
+def minority_clients(datamodule: FederatedDataModule) -> list[int]:
+    """Clients of the smaller group of a ``label_split`` partition (the second group when equal).
+
+    The partition puts the first ``round(K * label_split_fraction)`` clients on the first half of
+    the labels and the rest on the other half.
+    """
+    k = datamodule.num_clients
+    k_first = min(max(round(k * datamodule.label_split_fraction), 1), k - 1)
+    first, second = list(range(k_first)), list(range(k_first, k))
+    return first if len(first) < len(second) else second
+
+
+@dataclass
+class ExperimentSetting:
+    """What every method of an experiment shares: data, model template, trainer settings."""
+
+    output_dir: Path
+    datamodule: FederatedDataModule
+    model: FederatedModule
+    algorithms: list[Algorithm]
+    seed: int = 0
+    precision: str = "32-true"
+    accelerator: str = "cpu"
+    vectorize: str = "auto"
+    eval_every_n_rounds: int = 0
+    holdout: bool = False
+    reference: dict[str, Tensor] | None = None
+    alphas: Tensor | None = None
+
+    @classmethod
+    def build(
+        cls,
+        output_dir: str | Path,
+        algorithms: list[Algorithm] | None,
+        model: FederatedModule | None,
+        data: FederatedDataModule | None,
+        num_clients: int,
+        label_split_fraction: float,
+        seed: int,
+        **kwargs: Any,
+    ) -> ExperimentSetting:
+        """Defaults: Digits with a 0.75 label split, an MLP(64, 64), FedShard and FedAvg."""
+        if data is None:
+            from fedshard_lightning.data import DigitsDataModule
+
+            data = DigitsDataModule(
+                num_clients=num_clients,
+                partition="label_split",
+                label_split_fraction=label_split_fraction,
+                seed=seed,
+                holdout_fraction=0.2 if kwargs.get("holdout") else 0.0,
+            )
+        if data.partition != "label_split":
+            raise ConfigError(
+                f"data.partition={data.partition!r}: this experiment needs the two-label-partition split "
+                "(partition: label_split)"
+            )
+        if model is None:
+            from fedshard_lightning.models import MLP
+
+            model = MLP(hidden=(64, 64), lr=0.1)
+        algorithms = list(algorithms) if algorithms else default_algorithms()
+        names = [a.name for a in algorithms]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"algorithms: each method may appear once, got {names}")
+        out = Path(output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        return cls(out, data, model, algorithms, seed=seed, **kwargs)
+
+
+@dataclass
+class MethodRun:
+    """One method trained on the setting: its trainer and the trained model's per-client accuracy."""
+
+    trainer: Any
+    algorithm: Algorithm
+    params: dict[str, Tensor]
+    acc: Tensor
+    fit_metrics: dict[str, Any]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def accuracy(self, params: dict[str, Tensor]) -> Tensor:
+        """Per-client accuracy of another model of this method."""
+        split = "holdout" if self.extra.get("holdout") else "train"
+        return per_client_accuracy(self.trainer.module, params, self.trainer.datamodule, split)
+
+
+def fit_method(setting: ExperimentSetting, algorithm: Algorithm) -> MethodRun:
+    """Train ``algorithm`` on the setting (a fresh copy of the model template, same theta^0 seed).
+
+    The first method fitted also fixes the shared client alphas (SPEC section 4: methods compared
+    side by side share one reference model).
+    """
+    from fedshard_lightning.trainer import FederatedTrainer
+
+    trainer = FederatedTrainer(
+        algorithm=algorithm,
+        accelerator=setting.accelerator,
+        precision=setting.precision,
+        default_root_dir=str(setting.output_dir / "runs"),
+        run_name=None,
+        vectorize=setting.vectorize,
+        eval_every_n_rounds=setting.eval_every_n_rounds,
+        enable_progress_bar=False,
+        seed=setting.seed,
+    )
+    metrics = trainer.fit(copy.deepcopy(setting.model), setting.datamodule)
+    params = {k: v.detach().clone() for k, v in algorithm.current_params().items()}
+    run = MethodRun(trainer, algorithm, params, torch.zeros(0), metrics, {"holdout": setting.holdout})
+    run.acc = run.accuracy(params)
+    if setting.alphas is None:
+        setting.reference = params
+        setting.alphas = client_alphas(algorithm, params).cpu()
+    return run
+
+
+def request_cost(result: Any, run: MethodRun, unit: str) -> float:
+    """Cost of an unlearning request relative to the cost of the original fit (unit-free)."""
+    if unit == "seconds":
+        fit = float(run.fit_metrics.get("seconds") or 0.0)
+        return float(result.seconds) / fit if fit > 0 else 0.0
+    fit_steps = float(run.fit_metrics.get("client_steps") or 0)
+    return float(result.client_steps) / fit_steps if fit_steps > 0 else 0.0
+
+
+def mp_score(
+    setting: ExperimentSetting, delta: Tensor, leaving: list[int], eps0: float, eps1: float
+) -> float:
+    """M_p of one request with the shared client alphas."""
+    k = len(delta)
+    mask = torch.zeros(k, dtype=torch.bool)
+    mask[leaving] = True
+    return float(performance_fairness(torch.nan_to_num(delta, nan=0.0), setting.alphas, mask, eps0, eps1))
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> Path:
+    """Write JSON with NaN/inf as null."""
+
+    def clean(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {str(k): clean(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [clean(x) for x in v]
+        if isinstance(v, (Tensor, np.generic)):
+            v = v.item()
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        return v
+
+    path.write_text(json.dumps(clean(payload), indent=2, allow_nan=False) + "\n")
+    return path
+
+
+def _stats(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"mean": None, "max": None, "min": None}
+    return {"mean": sum(values) / len(values), "max": max(values), "min": min(values)}
+
+
+# --------------------------------------------------------------------------------------------------
+# Cascaded leaving
+# --------------------------------------------------------------------------------------------------
+
+
+def cascade(
+    output_dir: str = "runs/cascade",
+    algorithms: list[Algorithm] | None = None,
+    model: FederatedModule | None = None,
+    data: FederatedDataModule | None = None,
+    num_clients: int = 64,
+    label_split_fraction: float = 0.75,
+    initial_leavers: int = 5,
+    y_star: float = 0.1,
+    cost_weight: float = 0.01,
+    cost_unit: Literal["client_steps", "seconds"] = "client_steps",
+    max_iterations: int = 20,
+    holdout: bool = False,
+    eps0: float = 0.01,
+    eps1: float = 1e-12,
+    seed: int = 0,
+    precision: str = "32-true",
+    accelerator: str = "cpu",
+    vectorize: Literal["auto", "always", "never"] = "auto",
+) -> dict[str, Any]:
+    """Cascaded-leaving simulation of the FedShard paper, Appendix G.5; writes ``cascade.json``.
+
+    Args:
+        output_dir: Folder of the results (``cascade.json``) and of the runs (``runs/``).
+        algorithms: Methods to compare (default: FedShard and FedAvg retraining).
+        model: Model template (default: ``MLP(hidden=[64, 64], lr=0.1)``).
+        data: A ``label_split`` datamodule (default: Digits with ``num_clients`` and
+            ``label_split_fraction``).
+        num_clients: K of the default datamodule.
+        label_split_fraction: Share of clients on the first half of the labels (default data).
+        initial_leavers: Minority clients that leave first (the paper: 5 of 16).
+        y_star: ``Y*``, the reservation loss (accuracy fraction) of a client.
+        cost_weight: Accuracy-equivalent of a request that costs as much as the original training.
+        cost_unit: ``client_steps`` (deterministic) or ``seconds`` for ``Z``.
+        max_iterations: Stop after this many cascade steps even if clients still leave.
+        holdout: Measure accuracy on the clients' held-out samples (default data: 20% held out).
+        eps0: M_p normalisation offset.
+        eps1: M_p normalisation range guard.
+        seed: Seed of the data split, the training and the draw of the initial leavers.
+        precision: Trainer precision.
+        accelerator: Trainer accelerator.
+        vectorize: Trainer vectorization mode.
+
+    Returns:
+        The results (also written to ``output_dir/cascade.json``).
+    """
+    if cost_unit not in ("client_steps", "seconds"):
+        raise ConfigError(f"cost_unit={cost_unit!r}: choose client_steps or seconds")
+    setting = ExperimentSetting.build(
+        output_dir,
+        algorithms,
+        model,
+        data,
+        num_clients,
+        label_split_fraction,
+        seed,
+        precision=precision,
+        accelerator=accelerator,
+        vectorize=vectorize,
+        holdout=holdout,
+    )
+    dm = setting.datamodule
+    dm.setup("fit")
+    minority = minority_clients(dm)
+    if not 1 <= initial_leavers <= len(minority):
+        raise ConfigError(
+            f"initial_leavers={initial_leavers}: must be in [1, {len(minority)}] (minority size)"
+        )
+    rng = np.random.default_rng([seed, 5_051])
+    first = sorted(int(c) for c in rng.choice(minority, size=initial_leavers, replace=False))
+    k = dm.num_clients
+    results: dict[str, Any] = {}
+    for algorithm in setting.algorithms:
+        t0 = time.perf_counter()
+        run = fit_method(setting, algorithm)
+        present = set(range(k))
+        leavers, prev_acc = first, run.acc
+        iterations: list[dict[str, Any]] = []
+        mp_first = None
+        cascaded: list[int] = []
+        for it in range(max_iterations + 1):
+            result = algorithm.unlearn(leavers)
+            acc = run.accuracy(result.params)
+            z = cost_weight * request_cost(result, run, cost_unit)
+            present -= set(leavers)
+            delta = prev_acc - acc
+            if it == 0:
+                mp_first = mp_score(setting, run.acc - acc, leavers, eps0, eps1)
+            stay = sorted(present)
+            next_leavers = [r for r in stay if float(delta[r]) > y_star - z]
+            drops = [float(delta[r]) for r in stay if not math.isnan(float(delta[r]))]
+            iterations.append(
+                {
+                    "iteration": it,
+                    "leaving": leavers,
+                    "client_steps": int(result.client_steps),
+                    "seconds": float(result.seconds),
+                    "Z": z,
+                    "threshold": y_star - z,
+                    "delta_acc_remaining": _stats(drops),
+                    "delta_acc_leaving": _stats([float(delta[c]) for c in leavers]),
+                    "test_accuracy": run.trainer.evaluate(result.params)[0],
+                    "decide_to_leave": next_leavers,
+                }
+            )
+            if it > 0:
+                cascaded.extend(leavers)
+            if not next_leavers:
+                break
+            if len(next_leavers) >= len(present):
+                # Everyone wants to leave: the federation dissolves; nothing is left to unlearn into.
+                cascaded.extend(next_leavers)
+                iterations[-1]["dissolved"] = True
+                break
+            prev_acc, leavers = acc, next_leavers
+        minority_set = set(minority)
+        results[algorithm.name] = {
+            "initial_leavers": first,
+            "cascaded_leavers": len(cascaded),
+            "cascaded_clients": sorted(cascaded),
+            "cascaded_minority": sum(c in minority_set for c in cascaded),
+            "cascaded_majority": sum(c not in minority_set for c in cascaded),
+            "remaining_clients": k - len(first) - len(cascaded),
+            "iterations": iterations,
+            "M_p_first_request": mp_first,
+            "test_accuracy_fit": run.fit_metrics.get("test_accuracy"),
+            "fit_client_steps": run.fit_metrics.get("client_steps"),
+            "fit_seconds": run.fit_metrics.get("seconds"),
+            "run_dir": str(run.trainer.run_dir),
+            "seconds": time.perf_counter() - t0,
+        }
+    payload = {
+        "experiment": "cascade",
+        "settings": {
+            "num_clients": k,
+            "minority_clients": minority,
+            "label_split_fraction": dm.label_split_fraction,
+            "data": type(dm).__name__,
+            "initial_leavers": initial_leavers,
+            "y_star": y_star,
+            "cost_weight": cost_weight,
+            "cost_unit": cost_unit,
+            "accuracy_split": "holdout" if holdout else "train",
+            "seed": seed,
+            "eps0": eps0,
+            "eps1": eps1,
+        },
+        "methods": results,
+        "summary": {name: r["cascaded_leavers"] for name, r in results.items()},
+    }
+    payload["output"] = str(write_json(setting.output_dir / "cascade.json", payload))
+    return payload
+
+
+def main(args: list[str] | None = None) -> None:
+    """Command line: ``python -m fedshard_lightning.experiments.cascade --help``."""
+    from jsonargparse import CLI
+
+    payload = CLI(cascade, args=args, as_positional=False)
+    for name, n in payload["summary"].items():
+        print(f"{name}: {n} cascaded leaver(s)")
+    print(f"results: {payload['output']}")
+
+
+if __name__ == "__main__":
+    main()
