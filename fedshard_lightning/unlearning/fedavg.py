@@ -98,6 +98,7 @@ class FedAvg(Algorithm):
             "unlearned": self.unlearned,
             "complete": self.params is not None,
             "client_steps": self.total_client_steps,
+            **self.trainer.cache_extra(),
         }
         tensors = {"theta0.safetensors": self.theta0}
         if self.params is not None:

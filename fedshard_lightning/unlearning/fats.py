@@ -1,0 +1,242 @@
+"""FATS: federated averaging with per-round client sampling and rollback unlearning ("FT" in section 6).
+
+Tao, Wang, Pan, Yu, Cheng and Wang, "Communication Efficient and Provable Federated Unlearning",
+PVLDB 17(5), 2024 (VLDB 2024): the training algorithm FATS samples clients uniformly *with
+replacement* in every round, and its client-level unlearning algorithm rewinds to the first round
+in which the leaving client was sampled and recomputes every later round without it; a client
+that was never sampled is unlearned for free. Sampling with replacement is what makes the rewind
+exact in distribution (TV-stability): the paper couples the old and new samplers so that rounds
+before the rewind point keep their samples.
+
+Here the coupling is made exact, not only in distribution. The sampler of round r draws client ids
+uniformly from ``0..K-1`` from a generator keyed by ``(seed, r)`` and *rejects* ids that are not in
+the population (left earlier, or leaving now) until ``sample_size`` draws are accepted; duplicates
+are then removed (SPEC section 9). Removing a client that was never drawn before round r leaves
+every draw before r unchanged, so the rewound-and-recomputed model is *equal* to FATS trained
+without the leaving clients from the start (every round's local shuffling is keyed too).
+
+Each FATS round is one engine call whose engine "stage" is the round number (so that recomputation
+can start at any round with the same keys); the trainer's callbacks still see stage 0, round r.
+
+Departures from the paper: clients run the engine's local training (``local_epochs`` or
+``local_steps`` of mini-batch SGD with the model's optimizer) instead of the paper's one-sample
+local steps with a TV-stable step size; duplicates are removed and the server averages the
+distinct participants weighted by their sample counts (the paper averages the draws uniformly);
+client sampling only (no sample-level unlearning).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fedshard_lightning.cache import FLCache
+from fedshard_lightning.engine import Group, RoundInfo, TrainResult, stack_params, unstack_params
+from fedshard_lightning.engine.keys import SAMPLING, keyed_rng
+from fedshard_lightning.errors import CacheError, ConfigError
+from fedshard_lightning.unlearning.base import UnlearnResult
+from fedshard_lightning.unlearning.fedavg import FedAvg
+
+__all__ = ["FATS"]
+
+_BLOCK = 64
+"""Ids drawn per generator call; fixed, so the stream of draws never depends on the population."""
+
+
+class FATS(FedAvg):
+    """FedAvg with keyed sampling with replacement; unlearning rewinds to the first participation.
+
+    Args:
+        rounds: Communication rounds.
+        sample_size: Draws per round (with replacement, duplicates removed).
+        **kwargs: Local training settings, see :class:`~fedshard_lightning.unlearning.base.Algorithm`
+            (``client_fraction`` must stay 1.0: the sampler replaces it).
+    """
+
+    name = "fats"
+
+    def __init__(self, rounds: int = 20, sample_size: int = 8, **kwargs: Any) -> None:
+        super().__init__(rounds=rounds, **kwargs)
+        if isinstance(sample_size, bool) or not isinstance(sample_size, int) or sample_size < 1:
+            raise ConfigError(f"algorithm.sample_size={sample_size!r}: must be a positive integer")
+        if self.client_fraction != 1.0:
+            raise ConfigError(
+                f"algorithm.client_fraction={self.client_fraction}: FATS draws sample_size clients per round "
+                "itself; leave client_fraction at 1.0"
+            )
+        self.sample_size = sample_size
+        self.models: dict[str, Tensor] | None = None
+        self.participants: list[list[int]] = []
+
+    def hparams(self) -> dict[str, Any]:
+        """FedAvg's settings plus the sample size."""
+        return {**super().hparams(), "sample_size": self.sample_size}
+
+    def attach(self, trainer: Any) -> None:
+        """Build the engine and make it sample with :meth:`sample`."""
+        super().attach(trainer)
+        self.engine.participants_fn = self._participants
+
+    # -- sampling ---------------------------------------------------------------------------------
+    def sample(self, round_: int, population: Sequence[int]) -> list[int]:
+        """Sorted distinct clients of round ``round_`` drawn from ``population``.
+
+        ``sample_size`` keyed uniform draws with replacement (rejection from all K ids, see the
+        module docstring), duplicates removed.
+        """
+        allowed = set(int(c) for c in population)
+        if not allowed:
+            return []
+        rng = keyed_rng(self.trainer.seed, round_, 0, 0, SAMPLING)
+        drawn: list[int] = []
+        while len(drawn) < self.sample_size:
+            for c in rng.integers(0, self.num_clients, size=_BLOCK).tolist():
+                if c in allowed:
+                    drawn.append(c)
+                    if len(drawn) == self.sample_size:
+                        break
+        return sorted(set(drawn))
+
+    def _participants(self, stage: int, group: Group, round_: int) -> list[int]:
+        # One engine call per FATS round: the engine's stage is the round number.
+        return self.sample(stage, group.clients)
+
+    # -- rounds -----------------------------------------------------------------------------------
+    def _round(self, start: dict[str, Tensor], clients: Sequence[int], r: int, report: bool) -> TrainResult:
+        group = Group(0, tuple(clients), 1)
+
+        def hook(info: RoundInfo, state: dict[str, Tensor]) -> None:
+            self.trainer.round_end(replace(info, stage=0, round=r), state, [group])
+
+        return self.train(
+            stack_params([start]), [group], stage=r, on_round_end=hook if report else None, report=False
+        )
+
+    def _run(
+        self, start: dict[str, Tensor], clients: Sequence[int], first: int, report: bool
+    ) -> tuple[list[dict[str, Tensor]], list[list[int]], int]:
+        """Rounds ``first..rounds-1`` from ``start``: the models after each round, the participants, steps."""
+        models, parts, steps = [], [], 0
+        for r in range(first, self.rounds):
+            res = self._round(start, clients, r, report)
+            parts.append(sorted(res.history[0].participants[0]) if res.history else [])
+            start = unstack_params(res.params, 0)
+            models.append(start)
+            steps += res.client_steps
+        return models, parts, steps
+
+    def fit(self) -> dict[str, Tensor]:
+        """``rounds`` FATS rounds over all (active) clients from theta^0."""
+        self.theta0 = self.trainer.theta0
+        clients = tuple(self.active_clients)
+        self.trainer.stage_start(0, [Group(0, clients, self.rounds)])
+        models, self.participants, self.total_client_steps = self._run(self.theta0, clients, 0, report=True)
+        self.models = stack_params([self.theta0, *models])
+        self.params = models[-1]
+        self.trainer.stage_end(0, {"client_steps": float(self.total_client_steps)})
+        return self.params
+
+    # -- costs ------------------------------------------------------------------------------------
+    def first_round(self, clients: Sequence[int]) -> int | None:
+        """First round in which one of ``clients`` took part (None: never)."""
+        leaving = set(clients)
+        return next((r for r, p in enumerate(self.participants) if leaving & set(p)), None)
+
+    def _cost_from(self, first: int, clients: Sequence[int]) -> int:
+        group = Group(0, tuple(clients), 1)
+        return sum(
+            self.engine.client_steps_of(self.engine.participants(r, group, 0))
+            for r in range(first, self.rounds)
+        )
+
+    def _remaining(self, clients: Sequence[int]) -> list[int]:
+        gone = set(clients)
+        return [c for c in self.active_clients if c not in gone]
+
+    def predict_cost(self, clients: Sequence[int]) -> int:
+        """Steps of the rounds from the first participation on, re-sampled without ``clients``."""
+        first = self.first_round(clients)
+        return 0 if first is None else self._cost_from(first, self._remaining(clients))
+
+    def retrain_cost(self, clients: Sequence[int]) -> int:
+        """Steps of FATS retrained from scratch without ``clients``."""
+        return self._cost_from(0, self._remaining(clients))
+
+    # -- unlearning -------------------------------------------------------------------------------
+    def unlearn(self, clients: Sequence[int]) -> UnlearnResult:
+        """Rewind to the first round a leaving client took part in; recompute the rest without them."""
+        first = self.first_round(clients)
+        firsts = {str(c): self.first_round([c]) for c in clients}
+        remaining = self._remaining(clients)
+        predicted = self.predict_cost(clients)
+        retrain = self.retrain_cost(clients)
+        t = time.perf_counter()
+        steps = 0
+        if first is not None:
+            models, parts, steps = self._run(
+                unstack_params(self.models, first), remaining, first, report=False
+            )
+            self.models = {
+                k: torch.cat([v[: first + 1], torch.stack([m[k] for m in models])])
+                for k, v in self.models.items()
+            }
+            self.participants = self.participants[:first] + parts
+            self.params = models[-1]
+        seconds = time.perf_counter() - t
+        self.unlearned = sorted({*self.unlearned, *clients})
+        return UnlearnResult(
+            self.current_params(),
+            steps,
+            predicted,
+            retrain,
+            seconds,
+            details={
+                "rollback_round": first,
+                "retrained_rounds": [] if first is None else list(range(first, self.rounds)),
+                "first_participation": firsts,
+            },
+        )
+
+    # -- cache ------------------------------------------------------------------------------------
+    def write_cache(self, cache: FLCache, label: str) -> str:
+        """theta^0, the model after every round, and every round's participants."""
+        manifest = {
+            "algorithm": self.name,
+            "fingerprint": self.trainer.fingerprint,
+            "hparams": self.hparams(),
+            "num_clients": self.num_clients,
+            "participants": self.participants,
+            "unlearned": self.unlearned,
+            "complete": self.params is not None,
+            "client_steps": self.total_client_steps,
+            **self.trainer.cache_extra(),
+        }
+        tensors = {"theta0.safetensors": self.theta0}
+        if self.params is not None:
+            tensors["model.safetensors"] = self.params
+            tensors["rounds.safetensors"] = self.models
+        return cache.commit(cache.next_name(label), manifest, tensors)
+
+    def load_cache(self, cache: FLCache) -> None:
+        """Restore theta^0, the per-round models and participants, and the unlearned set."""
+        manifest = self.trainer.check_manifest(cache, self.name)
+        if not manifest.get("complete"):
+            raise CacheError(f"{cache.root}: training did not finish; run fit again")
+        if manifest.get("num_clients") != self.num_clients:
+            raise CacheError(f"{cache.root}: the cache was made for another number of clients")
+        device = self.trainer.device
+        self.theta0 = cache.tensors("theta0.safetensors", device=device)
+        self.params = cache.tensors("model.safetensors", device=device)
+        self.models = cache.tensors("rounds.safetensors", device=device)
+        self.participants = [[int(c) for c in p] for p in manifest["participants"]]
+        if len(self.participants) != self.rounds:
+            raise CacheError(
+                f"{cache.root}: {len(self.participants)} rounds cached, {self.rounds} configured"
+            )
+        self.unlearned = [int(c) for c in manifest.get("unlearned", [])]
+        self.total_client_steps = int(manifest.get("client_steps", 0))

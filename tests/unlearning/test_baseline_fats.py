@@ -1,0 +1,80 @@
+"""FATS: rollback to the first participation, exact equality with FATS trained without the client."""
+
+from __future__ import annotations
+
+import torch
+from _baseline_helpers import fit, max_diff
+
+from fedshard_lightning.unlearning import FATS
+
+SCRIPT = {0: [0, 2], 1: [2, 3], 2: [1, 3], 3: [0, 4]}
+
+
+def scripted(self, round_, population):
+    """A scripted sampler that, like the real one, only drops clients who left."""
+    allowed = set(population)
+    return [c for c in SCRIPT[round_] if c in allowed]
+
+
+def test_rollback_starts_at_first_participation(run_root, monkeypatch):
+    monkeypatch.setattr(FATS, "sample", scripted)
+    alg = fit(run_root, FATS, rounds=4).algorithm
+    assert alg.participants == [SCRIPT[r] for r in range(4)]
+    steps_per_client = alg.engine.client_steps_of([0])
+    before = {k: v.clone() for k, v in alg.models.items()}
+
+    never = alg.unlearn([5])
+    assert never.client_steps == never.predicted_client_steps == 0
+    assert never.details["rollback_round"] is None and never.details["retrained_rounds"] == []
+    assert all(torch.equal(never.params[k], before[k][-1]) for k in before)
+
+    res = alg.unlearn([1])
+    assert res.details["rollback_round"] == 2 and res.details["retrained_rounds"] == [2, 3]
+    assert res.client_steps == res.predicted_client_steps == 3 * steps_per_client  # {3} then {0, 4}
+    assert res.retrain_client_steps == 7 * steps_per_client
+    assert all(torch.equal(alg.models[k][:3], before[k][:3]) for k in before)
+    assert not all(torch.equal(alg.models[k][3], before[k][3]) for k in before)
+    assert alg.participants == [[0, 2], [2, 3], [3], [0, 4]]
+
+    reference = fit(run_root, FATS, rounds=4, unlearned=[1, 5]).algorithm
+    assert max_diff(res.params, reference.current_params()) <= 1e-10
+
+    res2 = alg.unlearn([2])  # requests accumulate: first round 0 now
+    assert res2.details["retrained_rounds"] == [0, 1, 2, 3]
+    reference2 = fit(run_root, FATS, rounds=4, unlearned=[1, 2, 5]).algorithm
+    assert max_diff(res2.params, reference2.current_params()) <= 1e-10
+    assert alg.participants == reference2.participants
+
+
+def test_keyed_sampler_unlearning_equals_training_without_the_client(run_root):
+    alg = fit(run_root, FATS, rounds=4, sample_size=2).algorithm
+    for r, parts in enumerate(alg.participants):
+        assert parts == sorted(set(parts)) and 1 <= len(parts) <= 2
+        assert parts == alg.sample(r, range(6))
+    taken = [c for p in alg.participants for c in p]
+    leaving = taken[-1]
+    first = next(r for r, p in enumerate(alg.participants) if leaving in p)
+    res = alg.unlearn([leaving])
+    assert res.details["rollback_round"] == first
+    assert res.details["first_participation"] == {str(leaving): first}
+    reference = fit(run_root, FATS, rounds=4, sample_size=2, unlearned=[leaving]).algorithm
+    assert max_diff(res.params, reference.current_params()) <= 1e-10
+    assert res.client_steps == res.predicted_client_steps
+    assert alg.participants == reference.participants
+
+
+def test_sampler_is_uniform_with_replacement_and_coupled():
+    """Rejection from all ids: uniform over the population; removing an undrawn client changes nothing."""
+    alg = FATS(sample_size=3)
+    alg.trainer = type("T", (), {"seed": 7})()
+    alg.trainer.datamodule = type("D", (), {"client_indices": [None] * 10})()
+    counts = torch.zeros(10)
+    for r in range(400):
+        for c in alg.sample(r, [1, 3, 4, 8]):
+            counts[c] += 1
+        full = alg.sample(r, range(10))
+        for gone in set(range(10)) - set(full):
+            assert alg.sample(r, [c for c in range(10) if c != gone]) == full
+    assert counts[[0, 2, 5, 6, 7, 9]].sum() == 0
+    share = counts[[1, 3, 4, 8]] / counts.sum()
+    assert torch.allclose(share, torch.full((4,), 0.25), atol=0.05)
