@@ -32,7 +32,7 @@ def test_compare_two_methods(tmp_path):
         mia=False,
     )
     assert [r["method"] for r in res["rows"]] == ["fedshard", "fedavg"]
-    rows = list(csv.DictReader(open(tmp_path / "compare.csv")))
+    rows = list(csv.DictReader((tmp_path / "compare.csv").read_text().splitlines()))
     assert [r["method"] for r in rows] == ["fedshard", "fedavg"]
     for r in res["rows"]:
         assert r["client_steps"] > 0 and r["t"] >= 0 and r["M_p"] is not None and r["M_e"] is not None
