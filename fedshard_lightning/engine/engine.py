@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.engine.keys import sample_participants
 from fedshard_lightning.engine.local import ClientBatch, LocalResult, LocalTrainer
-from fedshard_lightning.engine.optim import optimizer_spec
+from fedshard_lightning.engine.optim import OptimizerSpec, optimizer_spec
 from fedshard_lightning.engine.schedule import LocalSchedule
 from fedshard_lightning.errors import ConfigError, NonFiniteLossError
 
@@ -132,6 +132,17 @@ class FederatedEngine:
         self.participants_fn: Callable[[int, Group, int], list[int]] | None = None
 
     # -- parameters ------------------------------------------------------------------------------
+    def with_optimizer(self, spec: OptimizerSpec) -> FederatedEngine:
+        """This engine with another client optimizer (e.g. a preconditioned one for unlearning).
+
+        Both paths use ``spec``: the stacked one over the stacked leaves, the per-client loop over
+        the worker module's parameters (instead of the model's ``configure_optimizers``).
+        """
+        self.spec = spec
+        self.local.spec = spec
+        self.local.loop_uses_spec = True
+        return self
+
     def module_params(self) -> dict[str, Tensor]:
         """The module's current trainable parameters (detached copies)."""
         named = dict(self.module.named_parameters())

@@ -91,6 +91,7 @@ class LocalTrainer:
             type(module).training_step is FederatedModule.training_step
         )
         self._worker: nn.Module | None = None
+        self.loop_uses_spec = False
         self._client_np = [ix.cpu().numpy() for ix in datamodule.client_indices]
 
     def _loss(
@@ -227,7 +228,10 @@ class LocalTrainer:
                 with torch.no_grad():
                     for n in self.names:
                         params[n].copy_(start[n][i])
-                opt = normalize_optimizer(worker.configure_optimizers(), type(worker).__name__)
+                if self.loop_uses_spec:
+                    opt = self.spec.build(params)
+                else:
+                    opt = normalize_optimizer(worker.configure_optimizers(), type(worker).__name__)
                 gidx = torch.as_tensor(idx_list[i], device=device)
                 for s, size in enumerate(size_list[i]):
                     x, y = self.dm.gather(gidx[s, :size], self.dtype)

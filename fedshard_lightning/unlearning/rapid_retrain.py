@@ -19,10 +19,9 @@ Choices and departures:
 * The Fisher estimate lives for one local round: the engine re-creates client optimizers every
   round (SPEC section 3), so each round starts from ``F_0 = 0``; no bias correction, as in the
   formula above.
-* The update is element-wise, so the engine trains the clients stacked (one row per client does not
-  couple with another). The per-client loop path of the engine builds the *model's*
-  ``configure_optimizers`` optimizer, which cannot be swapped without an engine change, so the
-  unlearning engine is forced to the stacked path whatever ``trainer.vectorize`` says.
+* The update is element-wise, so stacked clients do not couple; the unlearning engine swaps the
+  client optimizer with ``FederatedEngine.with_optimizer`` (both the stacked path and the
+  per-client loop build it).
 * Whole clients are removed (the package's unlearning requests name clients), and the
   remaining clients' local training otherwise follows the configured schedule.
 """
@@ -148,17 +147,14 @@ class RapidRetrain(FedAvg):
         }
 
     def attach(self, trainer: Any) -> None:
-        """Build the training engine and the unlearning engine (Fisher optimizer, stacked path)."""
+        """Build the training engine and the unlearning engine (Fisher-preconditioned client optimizer)."""
         super().attach(trainer)
         engine = trainer.make_engine(self.schedule, self.client_fraction)
         hp = {"lr": self.lr, "momentum": self.fisher_momentum, "damping": self.damping}
         spec = OptimizerSpec(
             FisherPreconditionedSGD, tuple((names, dict(hp)) for names, _ in engine.spec.groups)
         )
-        engine.spec = spec
-        engine.local.spec = spec
-        engine._mode = "stacked"  # the loop path would build the model's own optimizer
-        self.unlearn_engine = engine
+        self.unlearn_engine = engine.with_optimizer(spec)
 
     def _group(self, clients: Sequence[int]) -> Group:
         return Group(0, tuple(clients), self.unlearn_rounds)

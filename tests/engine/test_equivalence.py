@@ -162,3 +162,20 @@ def test_auto_mode_picks_a_mode():
     eng = FederatedEngine(m, dm, LocalSchedule(batch_size=5), vectorize="auto")
     eng.train_groups(stack_params([eng.module_params()]), [Group(0, (0, 1, 2, 3), 1)])
     assert eng.mode in ("stacked", "loop")
+
+
+def test_with_optimizer_replaces_the_client_optimizer_on_both_paths():
+    from fedshard_lightning.engine.optim import OptimizerSpec
+
+    dm = _data(k=6, n=120)
+    m = _model(dm, optimizer="sgd", lr=0.1)
+    spec = OptimizerSpec(torch.optim.Adam, ((tuple(n for n, _ in m.named_parameters()), {"lr": 0.01}),))
+    res = {}
+    for mode in ("always", "never"):
+        eng = FederatedEngine(m, dm, LocalSchedule(batch_size=5), seed=1, vectorize=mode).with_optimizer(spec)
+        init = stack_params([eng.module_params()])
+        res[mode] = eng.train_groups(init, [Group(0, tuple(range(6)), 2)]).params
+    plain = FederatedEngine(m, dm, LocalSchedule(batch_size=5), seed=1, vectorize="always")
+    sgd = plain.train_groups(stack_params([plain.module_params()]), [Group(0, tuple(range(6)), 2)]).params
+    assert _maxdiff(res["always"], res["never"]) <= 1e-10
+    assert _maxdiff(res["always"], sgd) > 1e-6

@@ -64,13 +64,13 @@ def test_stacked_rows_do_not_couple_and_shrink_like_the_engine():
         np.testing.assert_allclose(got.numpy(), expected, rtol=1e-12, atol=1e-14)
 
 
-def test_unlearning_uses_the_fisher_optimizer_stacked(run_root):
+def test_unlearning_uses_the_fisher_optimizer_on_both_paths(run_root):
     trainer, model, dm = make(run_root, RapidRetrain, rounds=4)
-    trainer.vectorize = "never"  # the unlearning engine is stacked whatever the trainer says
+    trainer.vectorize = "never"  # the per-client loop also builds the Fisher optimizer
     trainer.fit(model, dm)
     alg = trainer.algorithm
     assert alg.unlearn_rounds == 2
-    assert alg.unlearn_engine.mode == "stacked" and alg.engine.mode == "loop"
+    assert alg.unlearn_engine.mode == "loop" and alg.engine.mode == "loop"
     assert alg.unlearn_engine.spec.cls is FisherPreconditionedSGD
     assert alg.unlearn_engine.local.spec is alg.unlearn_engine.spec
     assert alg.unlearn_engine.spec.groups[0][1] == {"lr": alg.lr, "momentum": 0.9, "damping": 1e-3}
