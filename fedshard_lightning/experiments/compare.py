@@ -56,7 +56,7 @@ def _defaults(
     from fedshard_lightning.unlearning import FATS, FedAvg, FedShard
 
     model = model or MLP(hidden=(64, 64), lr=0.1)
-    data = data or DigitsDataModule(num_clients=64, partition="dirichlet", rho=0.1, min_client_size=5)
+    data = data or DigitsDataModule(num_clients=64, partition="dirichlet", rho=0.1, min_client_size=3)
     algorithms = algorithms or [FedShard(merge_rate=2), FedAvg(rounds=20), FATS(rounds=20)]
     return model, data, algorithms
 
@@ -187,9 +187,17 @@ def _log_wandb(out: Path, rows: list[dict[str, Any]]) -> None:
 
 def main(args: list[str] | None = None) -> None:
     """Command line: ``python -m fedshard_lightning.experiments.compare --help``."""
+    import sys
+
     from jsonargparse import CLI
 
-    result = CLI(compare, args=args, as_positional=False)
+    from fedshard_lightning.errors import FedShardError
+
+    try:
+        result = CLI(compare, args=args, as_positional=False)
+    except FedShardError as e:
+        sys.stderr.write(f"error: {' '.join(str(e).split())}\n")
+        raise SystemExit(2) from None
     print((Path(result["output"]) / "compare.md").read_text())
 
 
