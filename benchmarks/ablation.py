@@ -26,8 +26,16 @@ def data(name: str, seed: int, k: int, rho: float):
     if name == "digits":
         return DigitsDataModule(num_clients=k, partition="dirichlet", rho=rho, min_client_size=10, seed=seed)
     return SyntheticDataModule(
-        num_clients=k, partition="dirichlet", rho=rho, min_client_size=10, seed=seed,
-        num_samples=3000, num_test=1000, shape=(32,), num_classes_=10, noise=2.0,
+        num_clients=k,
+        partition="dirichlet",
+        rho=rho,
+        min_client_size=10,
+        seed=seed,
+        num_samples=3000,
+        num_test=1000,
+        shape=(32,),
+        num_classes_=10,
+        noise=2.0,
     )
 
 
@@ -50,16 +58,31 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     local = dict(batch_size=10, local_epochs=1)
-    results: dict[str, list[tuple[float, int]]] = {"naive (random + fixed)": [], "A1 + fixed": [], "A1 + A2": [], "FedAvg": []}
+    results: dict[str, list[tuple[float, int]]] = {
+        "naive (random + fixed)": [],
+        "A1 + fixed": [],
+        "A1 + A2": [],
+        "FedAvg": [],
+    }
     for seed in args.seeds:
-        acc, steps, trainer = run(FedShard(merge="a1", rounds="a2", t0=args.t0, t1=args.t1, **local), args.dataset, seed, args.clients, args.rho, args.lr)
+        acc, steps, trainer = run(
+            FedShard(merge="a1", rounds="a2", t0=args.t0, t1=args.t1, **local),
+            args.dataset,
+            seed,
+            args.clients,
+            args.rho,
+            args.lr,
+        )
         results["A1 + A2"].append((acc, steps))
         p = trainer.algorithm.planned_stages
         per_round = trainer.algorithm.engine.client_steps_of(range(args.clients))
         t_fixed = max(1, round(steps / (p * per_round)))
         fedavg_rounds = max(1, round(steps / per_round))
         for label, alg in (
-            ("naive (random + fixed)", FedShard(merge="random", rounds="fixed", fixed_rounds=t_fixed, **local)),
+            (
+                "naive (random + fixed)",
+                FedShard(merge="random", rounds="fixed", fixed_rounds=t_fixed, **local),
+            ),
             ("A1 + fixed", FedShard(merge="a1", rounds="fixed", fixed_rounds=t_fixed, **local)),
             ("FedAvg", FedAvg(rounds=fedavg_rounds, **local)),
         ):
@@ -73,7 +96,12 @@ def main() -> None:
         accs = [a for a, _ in rows]
         mean, std = statistics.mean(accs), statistics.pstdev(accs)
         steps = statistics.mean(s for _, s in rows)
-        summary[label] = {"accuracy_mean": mean, "accuracy_std": std, "client_steps_mean": steps, "accuracies": accs}
+        summary[label] = {
+            "accuracy_mean": mean,
+            "accuracy_std": std,
+            "client_steps_mean": steps,
+            "accuracies": accs,
+        }
         print(f"{label:<24} {mean:>13.4f} {std:>7.4f} {steps:>20.0f}")
     if args.json:
         with open(args.json, "w") as f:

@@ -26,13 +26,19 @@ def workload(name: str, clients: int):
         dm = DigitsDataModule(num_clients=clients, partition="iid")
         model = MLP(hidden=(64, 64), lr=0.05)
     elif name == "mnist-2nn":
-        dm = SyntheticDataModule(num_clients=clients, partition="iid", num_samples=60 * clients, shape=(1, 28, 28), as_uint8=True)
+        dm = SyntheticDataModule(
+            num_clients=clients, partition="iid", num_samples=60 * clients, shape=(1, 28, 28), as_uint8=True
+        )
         model = MLP(hidden=(200, 200), lr=0.05)
     elif name == "mnist-cnn":
-        dm = SyntheticDataModule(num_clients=clients, partition="iid", num_samples=60 * clients, shape=(1, 28, 28), as_uint8=True)
+        dm = SyntheticDataModule(
+            num_clients=clients, partition="iid", num_samples=60 * clients, shape=(1, 28, 28), as_uint8=True
+        )
         model = FedAvgCNN(lr=0.05)
     elif name == "cifar-cnn":
-        dm = SyntheticDataModule(num_clients=clients, partition="iid", num_samples=50 * clients, shape=(3, 32, 32), as_uint8=True)
+        dm = SyntheticDataModule(
+            num_clients=clients, partition="iid", num_samples=50 * clients, shape=(3, 32, 32), as_uint8=True
+        )
         model = FedAvgCNN(lr=0.05)
     else:
         raise ValueError(name)
@@ -42,7 +48,7 @@ def workload(name: str, clients: int):
     return model, dm
 
 
-def time_mode(model, dm, mode: str, batch: int, rounds: int, repeats: int) -> tuple[float, int]:
+def time_mode(model, dm, mode: str, batch: int, rounds: int, repeats: int) -> tuple[float, int, str]:
     eng = FederatedEngine(model, dm, LocalSchedule(batch_size=batch), vectorize=mode)
     k = len(dm.client_indices)
     init = stack_params([eng.module_params()])
@@ -53,7 +59,7 @@ def time_mode(model, dm, mode: str, batch: int, rounds: int, repeats: int) -> tu
         t = time.perf_counter()
         eng.train_groups(init, groups)
         times.append(time.perf_counter() - t)
-    return statistics.median(times), k * rounds
+    return statistics.median(times), k * rounds, eng.mode
 
 
 def main() -> None:
@@ -65,17 +71,28 @@ def main() -> None:
     grid = [("digits-mlp", 64, 10), ("mnist-cnn", 64, 10)]
     if args.suite == "full":
         grid = [
-            ("digits-mlp", 64, 10), ("digits-mlp", 256, 10), ("mnist-2nn", 256, 10),
-            ("mnist-cnn", 64, 10), ("mnist-cnn", 64, 50), ("cifar-cnn", 64, 10), ("cifar-cnn", 64, 50),
+            ("digits-mlp", 64, 10),
+            ("digits-mlp", 256, 10),
+            ("mnist-2nn", 256, 10),
+            ("mnist-cnn", 64, 10),
+            ("mnist-cnn", 64, 50),
+            ("cifar-cnn", 64, 10),
+            ("cifar-cnn", 64, 50),
         ]
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, medians of {args.repeats}")
-    print(f"{'workload':<12} {'K':>5} {'B':>4} {'loop upd/s':>11} {'stacked upd/s':>14} {'ratio':>7}")
+    print(
+        f"{'workload':<12} {'K':>5} {'B':>4} {'loop upd/s':>11} {'stacked upd/s':>14} {'ratio':>7} {'auto picks':>11}"
+    )
     for name, k, b in grid:
         model, dm = workload(name, k)
         rounds = args.rounds if "mlp" in name or "2nn" in name else 1
-        t_loop, n = time_mode(model, dm, "never", b, rounds, args.repeats)
-        t_stack, _ = time_mode(model, dm, "always", b, rounds, args.repeats)
-        print(f"{name:<12} {k:>5} {b:>4} {n / t_loop:>11.1f} {n / t_stack:>14.1f} {t_loop / t_stack:>6.2f}x", flush=True)
+        t_loop, n, _ = time_mode(model, dm, "never", b, rounds, args.repeats)
+        t_stack, _, _ = time_mode(model, dm, "always", b, rounds, args.repeats)
+        _, _, picked = time_mode(model, dm, "auto", b, 1, 1)
+        print(
+            f"{name:<12} {k:>5} {b:>4} {n / t_loop:>11.1f} {n / t_stack:>14.1f} {t_loop / t_stack:>6.2f}x {picked:>11}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -25,7 +25,9 @@ def build(k: int, dataset: str):
     if dataset == "digits":
         dm = DigitsDataModule(num_clients=k, partition="iid", min_client_size=1)
     else:
-        dm = SyntheticDataModule(num_clients=k, partition="iid", min_client_size=1, num_samples=20 * k, shape=(64,))
+        dm = SyntheticDataModule(
+            num_clients=k, partition="iid", min_client_size=1, num_samples=20 * k, shape=(64,)
+        )
     return MLP(hidden=(64, 64), lr=0.1), dm
 
 
@@ -35,7 +37,9 @@ def main() -> None:
     ap.add_argument("--dataset", choices=["digits", "synthetic"], default="digits")
     ap.add_argument("--requests", type=int, default=3)
     args = ap.parse_args()
-    print(f"{'K':>5} {'P':>3} {'unlearn s':>10} {'retrain s':>10} {'speedup':>8} {'step ratio':>11} {'r1':>6}")
+    print(
+        f"{'K':>5} {'P':>3} {'unlearn s':>10} {'retrain s':>10} {'speedup':>8} {'step ratio':>11} {'r1':>6}"
+    )
     for k in args.clients:
         alg_kw = dict(merge_rate=2, rounds="a2", t0=2, t1=8, batch_size=10, local_epochs=1)
         trainer = quiet_trainer(FedShard(**alg_kw), vectorize="always")

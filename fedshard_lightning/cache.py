@@ -12,7 +12,9 @@ A version folder is written under a temporary name, every file fsync'ed, then re
 ``CURRENT`` is replaced atomically last, so a crash at any moment leaves the previous version
 current and intact. Files that a new version shares with its base are hard links (no copies).
 Loading checks every file's SHA-256 against the manifest, so a flipped byte or a swapped file is
-refused, and nothing is ever unpickled.
+refused, and nothing is ever unpickled. Version and file names read from ``CURRENT`` and manifests
+must be plain names inside the cache folder. Temporary files and folders that a killed writer left
+behind (``.NAME.tmp-PID`` of a process that no longer exists) are removed by the next write.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -37,10 +40,14 @@ __all__ = [
     "atomic_write_bytes",
     "atomic_write_json",
     "load_tensors",
+    "remove_stale_tmp",
     "sha256_file",
 ]
 
 FORMAT = "fedshard-flcache/1"
+
+_TMP = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>[0-9]+)$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
 def sha256_file(path: Path) -> str:
@@ -63,9 +70,53 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return pid > 0
+    return True
+
+
+def remove_stale_tmp(directory: Path, name: str | None = None) -> list[Path]:
+    """Remove ``.NAME.tmp-PID`` leftovers of writers that were killed (their process is gone).
+
+    Args:
+        directory: Folder to clean.
+        name: Only leftovers of this file or folder name; ``None``: every leftover.
+
+    Returns:
+        The removed paths.
+    """
+    removed: list[Path] = []
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return removed
+    for entry in entries:
+        m = _TMP.match(entry.name)
+        if m is None or (name is not None and m.group("name") != name) or _pid_alive(int(m.group("pid"))):
+            continue
+        path = Path(entry.path)
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+            removed.append(path)
+        except OSError:
+            pass
+    return removed
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write to a temporary sibling, fsync, rename over ``path``."""
     path = Path(path)
+    remove_stale_tmp(path.parent, path.name)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "wb") as f:
         f.write(data)
@@ -85,6 +136,7 @@ def atomic_save_tensors(
 ) -> str:
     """Save with safetensors atomically; returns the file's SHA-256."""
     path = Path(path)
+    remove_stale_tmp(path.parent, path.name)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp), metadata=metadata)
     with open(tmp, "rb") as f:
@@ -112,6 +164,18 @@ def load_tensors(
         raise CacheError(f"{path} is not a valid safetensors file ({e}); refusing to load it") from None
 
 
+def _plain_name(name: str) -> bool:
+    """A single path component that is not hidden: no separators, not ``.``/``..``."""
+    return (
+        bool(name)
+        and not name.startswith(".")
+        and "/" not in name
+        and "\\" not in name
+        and "\0" not in name
+        and Path(name).name == name
+    )
+
+
 class FLCache:
     """Versioned, atomic, checksummed store of manifests and tensor files."""
 
@@ -127,6 +191,11 @@ class FLCache:
         """Name of the current version."""
         ptr = self._read_json(self.root / "CURRENT")
         version = ptr.get("version")
+        if isinstance(version, str) and not _plain_name(version):
+            raise CacheError(
+                f"{self.root}/CURRENT names {version!r}, which is not a version folder of this cache; "
+                "the cache is damaged"
+            )
         if not isinstance(version, str) or not (self.root / version / "manifest.json").is_file():
             raise CacheError(
                 f"{self.root}/CURRENT points to a missing version {version!r}; the cache is damaged"
@@ -144,10 +213,21 @@ class FLCache:
     def manifest(self, version: str | None = None) -> dict[str, Any]:
         """The manifest of a version (default: current)."""
         version = version or self.current()
+        if not _plain_name(version):
+            raise CacheError(f"{version!r} is not a version folder of {self.root}")
         data = self._read_json(self.root / version / "manifest.json")
         if data.get("format") != FORMAT:
             raise CacheError(
                 f"{self.root / version}/manifest.json is not an FLCache manifest (format {FORMAT})"
+            )
+        files = data.get("files")
+        if not isinstance(files, dict) or not all(
+            isinstance(k, str) and _plain_name(k) and isinstance(v, str) and _SHA256.match(v)
+            for k, v in files.items()
+        ):
+            raise CacheError(
+                f"{self.root / version}/manifest.json has a malformed file list (plain file names with "
+                "SHA-256 checksums expected); the cache is damaged"
             )
         return data
 
@@ -174,11 +254,13 @@ class FLCache:
         if not path.is_file():
             raise CacheError(f"missing {path}; this is not a complete fedshard_lightning run directory")
         try:
-            data = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError):
+            data = json.loads(path.read_bytes().decode("utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
             raise CacheError(
                 f"{path} is not valid JSON (truncated or replaced); the cache is damaged"
             ) from None
+        except OSError as e:
+            raise CacheError(f"cannot read {path} ({e.strerror or e})") from None
         if not isinstance(data, dict):
             raise CacheError(f"{path} does not hold a JSON object")
         return data
@@ -202,7 +284,10 @@ class FLCache:
         Returns:
             The committed version's name.
         """
+        if not _plain_name(name):
+            raise CacheError(f"cache version name {name!r} must be a plain folder name")
         self.root.mkdir(parents=True, exist_ok=True)
+        remove_stale_tmp(self.root)
         final = self.root / name
         if final.exists():
             raise CacheError(f"cache version {final} exists already; refusing to overwrite it")

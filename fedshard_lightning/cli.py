@@ -7,6 +7,8 @@ user can cause is printed as one line, ``error: ...``, with exit status 2 and no
 
 from __future__ import annotations
 
+import itertools
+import os
 import sys
 from typing import Any, NoReturn
 
@@ -42,6 +44,24 @@ def _innermost_reason(message: str) -> str:
     return reasons[-1] if reasons else message
 
 
+def _check_config_files(argv: list[str]) -> None:
+    """Name the file in errors about a malformed ``--config`` (jsonargparse does not)."""
+    import yaml
+
+    paths = [b for a, b in itertools.pairwise(argv) if a in ("--config", "-c")]
+    paths += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    for p in paths:
+        if not os.path.isfile(p):
+            continue
+        try:
+            with open(p) as f:
+                data = yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--config {p}: not valid YAML ({_one_line(str(e), 200)})") from None
+        if data is not None and not isinstance(data, dict):
+            raise ConfigError(f"--config {p}: expected a mapping of settings, got {type(data).__name__}")
+
+
 class _Parser(LightningArgumentParser):
     """Prints parse errors as one line."""
 
@@ -71,6 +91,9 @@ class FederatedCLI(LightningCLI):
             {"prog": "python -m fedshard_lightning", "description": "FedShard federated (un)learning"},
         )
         super().__init__(*args, **kwargs)
+
+    def _parse_ckpt_path(self) -> None:
+        """Do nothing: ckpt_path is a run directory or a .safetensors file, loaded by the trainer without pickle."""
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
@@ -119,6 +142,7 @@ class FederatedCLI(LightningCLI):
 def main(args: list[str] | None = None) -> None:
     """Entry point; user errors become one line on stderr and exit status 2."""
     try:
+        _check_config_files(sys.argv[1:] if args is None else args)
         FederatedCLI(args=args)
     except FedShardError as e:
         sys.stderr.write(f"error: {_one_line(str(e))}\n")

@@ -27,6 +27,7 @@ from typing import Any, Literal
 import lightning as L
 import torch
 from lightning.fabric.loggers import CSVLogger, Logger
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 
 from fedshard_lightning.cache import (
@@ -160,29 +161,41 @@ class FederatedTrainer:
 
     # -- setup -----------------------------------------------------------------------------------
     def _new_run_dir(self) -> Path:
+        """A new folder under the root, never an existing one; ``cache/`` inside marks it as a run."""
         root = Path(self.default_root_dir)
-        root.mkdir(parents=True, exist_ok=True)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(
+                f"trainer.default_root_dir={str(root)!r}: cannot create it ({e.strerror})"
+            ) from None
         if self.run_name:
-            path = root / self.run_name
+            candidates = iter([root / self.run_name])
+        else:
+            nums = [
+                int(p.name[8:])
+                for p in root.iterdir()
+                if p.name.startswith("version_") and p.name[8:].isdigit()
+            ]
+            start = max(nums, default=-1) + 1
+            candidates = (root / f"version_{n}" for n in range(start, start + 10_000))
+        for path in candidates:
             try:
                 path.mkdir()
             except FileExistsError:
+                if self.run_name:
+                    raise ConfigError(
+                        f"trainer.run_name={self.run_name!r}: {path} exists already; choose another name, or "
+                        f"resume it with --ckpt_path {path}"
+                    ) from None
+                continue
+            except OSError as e:
                 raise ConfigError(
-                    f"trainer.run_name={self.run_name!r}: {path} exists already; choose another name, or resume "
-                    f"it with --ckpt_path {path}"
+                    f"trainer.default_root_dir={str(root)!r}: cannot create {path} ({e.strerror})"
                 ) from None
+            (path / "cache").mkdir()  # a fit killed before its first commit can still be resumed
             return path
-        n = 0
-        existing = [p.name for p in root.iterdir() if p.name.startswith("version_")]
-        nums = [int(x.split("_", 1)[1]) for x in existing if x.split("_", 1)[1].isdigit()]
-        n = max(nums, default=-1) + 1
-        while True:
-            path = root / f"version_{n}"
-            try:
-                path.mkdir()
-                return path
-            except FileExistsError:
-                n += 1
+        raise ConfigError(f"trainer.default_root_dir={str(root)!r}: no free version_N folder name")
 
     @staticmethod
     def _existing_run_dir(ckpt_path: str | None, command: str) -> Path:
@@ -265,12 +278,18 @@ class FederatedTrainer:
         """Create and launch Fabric once (with ``strategy: ddp`` this starts the other processes)."""
         if self.fabric is not None:
             return
-        self.fabric = L.Fabric(
-            accelerator=self.accelerator,
-            devices=self.devices,
-            strategy=self.strategy,
-            precision=self.precision,
-        )
+        try:
+            self.fabric = L.Fabric(
+                accelerator=self.accelerator,
+                devices=self.devices,
+                strategy=self.strategy,
+                precision=self.precision,
+            )
+        except (ValueError, TypeError, RuntimeError, MisconfigurationException) as e:
+            raise ConfigError(
+                f"trainer.accelerator={self.accelerator!r}, trainer.devices={self.devices!r}, "
+                f"trainer.strategy={self.strategy!r}, trainer.precision={self.precision!r}: {e}"
+            ) from None
         self.fabric.launch()
 
     def _default_callbacks(self) -> list[FederatedCallback]:
@@ -327,11 +346,21 @@ class FederatedTrainer:
                 f"!= {self.fingerprint}); use the config that created the run (its config.yaml)"
             )
         self.requests = list(manifest.get("requests", []))
+        mode = manifest.get("vectorize_mode")
+        if self.vectorize == "auto" and mode in ("stacked", "loop"):
+            # Replays must take the run's path: the two paths agree only to rounding (float32 ~1e-7).
+            self.algorithm.engine.set_mode(mode)
         return manifest
 
     def cache_extra(self) -> dict[str, Any]:
         """Trainer-level fields every algorithm puts in its manifest."""
-        return {"requests": self.requests, "seed": self.seed}
+        engine = self.algorithm.engine
+        return {
+            "requests": self.requests,
+            "seed": self.seed,
+            "vectorize_mode": engine.mode if engine is not None else None,
+            "torch_threads": torch.get_num_threads(),
+        }
 
     # -- events from algorithms ------------------------------------------------------------------
     def _test_tensors(self) -> tuple[Tensor, Tensor]:
@@ -505,12 +534,46 @@ class FederatedTrainer:
             with torch.no_grad():
                 for k, v in params.items():
                     named[k].copy_(v)
+        committed = self._journal_committed()
         for i, report in enumerate(self.requests, start=1):
             rpath = self.run_dir / "unlearning" / f"{i:04d}" / "report.json"
+            version = report.get("cache_version") or self._version_with_requests(i)
             if not rpath.is_file():
+                report = {**report, "cache_version": version}
                 rpath.parent.mkdir(parents=True, exist_ok=True)
                 atomic_write_json(rpath, report)
                 atomic_write_json(self.run_dir / "unlearn_report.json", report)
+            if i not in committed:
+                entry = {
+                    "event": "committed",
+                    "request": i,
+                    "clients": report["clients"],
+                    "cache_version": version,
+                }
+                self._journal({**entry, "recovered": True})
+
+    def _journal_committed(self) -> set[int]:
+        path = self.run_dir / "unlearning" / "journal.jsonl"
+        done: set[int] = set()
+        if path.is_file():
+            for line in path.read_text().splitlines():
+                try:
+                    entry = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line torn by a crash
+                if isinstance(entry, dict) and entry.get("event") == "committed":
+                    done.add(int(entry.get("request", -1)))
+        return done
+
+    def _version_with_requests(self, n: int) -> str | None:
+        """The oldest cache version whose manifest holds at least ``n`` requests (where request n landed)."""
+        for version in self.cache.versions():
+            try:
+                if len(self.cache.manifest(version).get("requests", [])) >= n:
+                    return version
+            except CacheError:
+                continue
+        return None
 
     def test(
         self, model: FederatedModule, datamodule: FederatedDataModule, ckpt_path: str | None = None

@@ -186,6 +186,12 @@ class FederatedEngine:
             timings[mode] = time.perf_counter() - t
         return min(timings, key=timings.get)
 
+    def set_mode(self, mode: str) -> None:
+        """Fix the local-training path (``stacked`` or ``loop``), e.g. the one a cached run used."""
+        if mode not in ("stacked", "loop"):
+            raise ConfigError(f"vectorize mode {mode!r}: choose stacked or loop")
+        self._mode = mode
+
     @property
     def mode(self) -> str | None:
         """``stacked`` or ``loop`` once decided."""
