@@ -47,3 +47,17 @@ def test_compare_rejects_unknown_clients(tmp_path):
     model, data = _setting()
     with pytest.raises(ConfigError, match="unknown client ids"):
         compare(output_dir=str(tmp_path), algorithms=[FedAvg(rounds=1)], model=model, data=data, clients=[99])
+
+
+def test_compare_config_parses(capsys):
+    from pathlib import Path
+
+    from fedshard_lightning.experiments.compare import main
+
+    config = Path(__file__).resolve().parents[2] / "configs" / "compare" / "digits.yaml"
+    with pytest.raises(SystemExit) as e:
+        main(["--config", str(config), "--print_config"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for name in ("FedShard", "FedAvg", "FATS", "FedEraser", "RapidRetrain", "FedRecover"):
+        assert f"fedshard_lightning.unlearning.{name}" in out
