@@ -72,6 +72,7 @@ class Algorithm:
         self.trainer: Any = None
         self.engine: FederatedEngine | None = None
         self.unlearned: list[int] = []
+        self.total_client_steps = 0
 
     # -- identity ---------------------------------------------------------------------------------
     def hparams(self) -> dict[str, Any]:
@@ -168,6 +169,19 @@ class Algorithm:
         steps = [int(allc[g % world, g // world, 0]) for g in range(len(groups))]
         rounds = [int(allc[g % world, g // world, 1]) for g in range(len(groups))]
         return TrainResult(params, sum(steps), steps, rounds, res.seconds, res.history)
+
+    def manifest_base(self, complete: bool) -> dict[str, Any]:
+        """Fields every manifest carries: identity and fingerprint, state, and the trainer's request log."""
+        return {
+            "algorithm": self.name,
+            "fingerprint": self.trainer.fingerprint,
+            "hparams": self.hparams(),
+            "num_clients": self.num_clients,
+            "unlearned": self.unlearned,
+            "complete": complete,
+            "client_steps": self.total_client_steps,
+            **self.trainer.cache_extra(),
+        }
 
     # -- to implement -----------------------------------------------------------------------------
     def fit(self) -> dict[str, Tensor]:

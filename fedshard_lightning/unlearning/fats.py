@@ -205,17 +205,7 @@ class FATS(FedAvg):
     # -- cache ------------------------------------------------------------------------------------
     def write_cache(self, cache: FLCache, label: str) -> str:
         """theta^0, the model after every round, and every round's participants."""
-        manifest = {
-            "algorithm": self.name,
-            "fingerprint": self.trainer.fingerprint,
-            "hparams": self.hparams(),
-            "num_clients": self.num_clients,
-            "participants": self.participants,
-            "unlearned": self.unlearned,
-            "complete": self.params is not None,
-            "client_steps": self.total_client_steps,
-            **self.trainer.cache_extra(),
-        }
+        manifest = {**self.manifest_base(complete=self.params is not None), "participants": self.participants}
         tensors = {"theta0.safetensors": self.theta0}
         if self.params is not None:
             tensors["model.safetensors"] = self.params

@@ -449,20 +449,13 @@ class FedShard(Algorithm):
     def write_cache(self, cache: FLCache, label: str) -> str:
         """theta^0, every completed stage's shard models, and the tree's records."""
         manifest = {
-            "algorithm": self.name,
-            "fingerprint": self.trainer.fingerprint,
-            "hparams": self.hparams(),
-            "num_clients": self.num_clients,
+            **self.manifest_base(complete=len(self.records) == self.planned_stages),
             "merge_rate": self.merge_rate,
             "planned_stages": self.planned_stages,
             "client_sizes": list(self.trainer.datamodule.client_sizes),
             "tree": self.tree.to_dict(),
             "stages": [[r.to_dict() for r in recs] for recs in self.records],
-            "complete": len(self.records) == self.planned_stages,
-            "unlearned": self.unlearned,
-            "client_steps": self.total_client_steps,
             "round_policy_state": self.round_policy.state_dict(),
-            **self.trainer.cache_extra(),
         }
         tensors = {"theta0.safetensors": self.theta0}
         reuse = {}

@@ -205,17 +205,7 @@ class HistoryFedAvg(FedAvg):
     # -- cache ------------------------------------------------------------------------------------
     def write_cache(self, cache: FLCache, label: str) -> str:
         """theta^0, the current model, the retained rounds (hard links once written)."""
-        manifest = {
-            "algorithm": self.name,
-            "fingerprint": self.trainer.fingerprint,
-            "hparams": self.hparams(),
-            "num_clients": self.num_clients,
-            "history": self.history.to_dict(),
-            "unlearned": self.unlearned,
-            "complete": self.params is not None,
-            "client_steps": self.total_client_steps,
-            **self.trainer.cache_extra(),
-        }
+        manifest = {**self.manifest_base(complete=self.params is not None), "history": self.history.to_dict()}
         tensors, reuse = self.history.files(cache)
         base = cache.manifest() if cache.exists() else {"files": {}, "fingerprint": None}
         if "theta0.safetensors" in base["files"] and base.get("fingerprint") == self.trainer.fingerprint:

@@ -192,16 +192,7 @@ class RapidRetrain(FedAvg):
 
     def write_cache(self, cache: FLCache, label: str) -> str:
         """theta^0, the current model, the unlearned clients and the trainer's request log."""
-        manifest = {
-            "algorithm": self.name,
-            "fingerprint": self.trainer.fingerprint,
-            "hparams": self.hparams(),
-            "num_clients": self.num_clients,
-            "unlearned": self.unlearned,
-            "complete": self.params is not None,
-            "client_steps": self.total_client_steps,
-            **self.trainer.cache_extra(),
-        }
+        manifest = self.manifest_base(complete=self.params is not None)
         tensors = {"theta0.safetensors": self.theta0}
         if self.params is not None:
             tensors["model.safetensors"] = self.params
