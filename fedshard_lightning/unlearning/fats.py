@@ -212,21 +212,13 @@ class FATS(FedAvg):
             tensors["rounds.safetensors"] = self.models
         return cache.commit(cache.next_name(label), manifest, tensors)
 
-    def load_cache(self, cache: FLCache) -> None:
+    def load_cache(self, cache: FLCache) -> dict[str, Any]:
         """Restore theta^0, the per-round models and participants, and the unlearned set."""
-        manifest = self.trainer.check_manifest(cache, self.name)
-        if not manifest.get("complete"):
-            raise CacheError(f"{cache.root}: training did not finish; run fit again")
-        if manifest.get("num_clients") != self.num_clients:
-            raise CacheError(f"{cache.root}: the cache was made for another number of clients")
-        device = self.trainer.device
-        self.theta0 = cache.tensors("theta0.safetensors", device=device)
-        self.params = cache.tensors("model.safetensors", device=device)
-        self.models = cache.tensors("rounds.safetensors", device=device)
+        manifest = super().load_cache(cache)
+        self.models = cache.tensors("rounds.safetensors", device=self.trainer.device)
         self.participants = [[int(c) for c in p] for p in manifest["participants"]]
         if len(self.participants) != self.rounds:
             raise CacheError(
                 f"{cache.root}: {len(self.participants)} rounds cached, {self.rounds} configured"
             )
-        self.unlearned = [int(c) for c in manifest.get("unlearned", [])]
-        self.total_client_steps = int(manifest.get("client_steps", 0))
+        return manifest

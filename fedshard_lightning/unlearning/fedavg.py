@@ -97,13 +97,16 @@ class FedAvg(Algorithm):
             tensors["model.safetensors"] = self.params
         return cache.commit(cache.next_name(label), manifest, tensors)
 
-    def load_cache(self, cache: FLCache) -> None:
-        """Restore theta^0, the model and the unlearned set."""
+    def load_cache(self, cache: FLCache) -> dict[str, Any]:
+        """Restore theta^0, the model and the unlearned set; return the manifest for subclasses."""
         manifest = self.trainer.check_manifest(cache, self.name)
         if not manifest.get("complete"):
-            raise CacheError(f"{cache.root}: training did not finish; resume it with fit --ckpt_path first")
+            raise CacheError(f"{cache.root}: training did not finish; run fit again")
+        if manifest.get("num_clients") != self.num_clients:
+            raise CacheError(f"{cache.root}: the cache was made for another number of clients")
         device = self.trainer.device
         self.theta0 = cache.tensors("theta0.safetensors", device=device)
         self.params = cache.tensors("model.safetensors", device=device)
         self.unlearned = [int(c) for c in manifest.get("unlearned", [])]
         self.total_client_steps = int(manifest.get("client_steps", 0))
+        return manifest

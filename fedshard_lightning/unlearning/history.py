@@ -218,16 +218,8 @@ class HistoryFedAvg(FedAvg):
         self.history.committed(cache, version)
         return version
 
-    def load_cache(self, cache: FLCache) -> None:
+    def load_cache(self, cache: FLCache) -> dict[str, Any]:
         """Restore theta^0, the model, the retained rounds (read lazily) and the unlearned set."""
-        manifest = self.trainer.check_manifest(cache, self.name)
-        if not manifest.get("complete"):
-            raise CacheError(f"{cache.root}: training did not finish; run fit again")
-        if manifest.get("num_clients") != self.num_clients:
-            raise CacheError(f"{cache.root}: the cache was made for another number of clients")
-        device = self.trainer.device
-        self.theta0 = cache.tensors("theta0.safetensors", device=device)
-        self.params = cache.tensors("model.safetensors", device=device)
+        manifest = super().load_cache(cache)
         self.history = UpdateHistory.from_cache(cache, manifest.get("history", {}))
-        self.unlearned = [int(c) for c in manifest.get("unlearned", [])]
-        self.total_client_steps = int(manifest.get("client_steps", 0))
+        return manifest
