@@ -22,6 +22,7 @@ from torch.func import functional_call, vmap
 from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.engine.optim import OptimizerSpec, normalize_optimizer, shrink_optimizer
 from fedshard_lightning.engine.schedule import LocalSchedule
+from fedshard_lightning.module import FederatedModule
 
 __all__ = ["ClientBatch", "LocalTrainer"]
 
@@ -85,8 +86,6 @@ class LocalTrainer:
         self._fwd_masked = vmap(self._loss, in_dims=(0, None, 0, 0, 0))
         # The default training_step is a mean of per_sample_loss: partial batches can then be
         # padded and masked (one call per step) instead of one call per distinct batch size.
-        from fedshard_lightning.module import FederatedModule
-
         self.maskable = isinstance(module, FederatedModule) and (
             type(module).training_step is FederatedModule.training_step
         )
