@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from fedshard_lightning.data.base import FederatedDataModule
+from fedshard_lightning.engine.allocator import retain_freed_memory
 from fedshard_lightning.engine.keys import sample_participants
 from fedshard_lightning.engine.local import ClientBatch, LocalResult, LocalTrainer
 from fedshard_lightning.engine.optim import OptimizerSpec, optimizer_spec
@@ -118,6 +119,8 @@ class FederatedEngine:
         if max_chunk_clients is not None and max_chunk_clients < 1:
             raise ConfigError(f"max_chunk_clients={max_chunk_clients}: must be >= 1 or null")
         self.module = module
+        if next(module.parameters()).device.type == "cpu":
+            retain_freed_memory()
         self.dm = datamodule
         self.schedule = schedule
         self.seed = int(seed)
@@ -166,12 +169,12 @@ class FederatedEngine:
         return sample_participants(group.clients, self.client_fraction, self.seed, stage, group.key, round_)
 
     # -- local training --------------------------------------------------------------------------
-    def _run_local(self, start: dict[str, Tensor], batch: ClientBatch) -> LocalResult:
+    def _run_local(self, state: dict[str, Tensor], rows: Tensor, batch: ClientBatch) -> LocalResult:
         if self._mode is None:
-            self._mode = self._probe(start, batch)
+            self._mode = self._probe({k: v.index_select(0, rows) for k, v in state.items()}, batch)
         if self._mode == "stacked":
-            return self.local.train_stacked(start, batch)
-        return self.local.train_loop(start, batch)
+            return self.local.train_stacked(state, batch, rows)
+        return self.local.train_loop(state, batch, rows)
 
     def _probe(self, start: dict[str, Tensor], batch: ClientBatch) -> str:
         """Time one round of a few clients both ways (results discarded); keep the faster."""
@@ -241,13 +244,15 @@ class FederatedEngine:
             for lo in range(0, len(clients), self.chunk):
                 cl, ow = clients[lo : lo + self.chunk], owner[lo : lo + self.chunk]
                 own_t = torch.as_tensor(ow, device=next(iter(state.values())).device)
-                start = {k: v.index_select(0, own_t) for k, v in state.items()}
-                res = self._run_local(start, ClientBatch(cl, [groups[i].key for i in ow], stage, r))
+                res = self._run_local(state, own_t, ClientBatch(cl, [groups[i].key for i in ow], stage, r))
                 self._check_finite(res, cl, ow, groups, stage, r)
                 n = torch.as_tensor(self.sizes[cl], dtype=state[self.names[0]].dtype, device=own_t.device)
                 for k in acc:
                     w = n.view(-1, *([1] * (res.params[k].ndim - 1)))
-                    acc[k].index_add_(0, own_t, res.params[k] * w)
+                    # The local results are fresh tensors: weight them in place unless they are kept.
+                    acc[k].index_add_(
+                        0, own_t, res.params[k] * w if keep_client_params else res.params[k].mul_(w)
+                    )
                 weight.index_add_(0, own_t.cpu(), n.cpu().double())
                 loss_sum.index_add_(0, own_t.cpu(), res.loss_sum.detach().cpu().double())
                 np.add.at(step_count, ow, res.steps)
@@ -267,7 +272,7 @@ class FederatedEngine:
                 round=r,
                 active=active,
                 participants=parts,
-                mean_loss=[float(loss_sum[i] / max(step_count[i], 1)) for i in active],
+                mean_loss=(loss_sum.numpy()[active] / np.maximum(step_count[active], 1)).tolist(),
                 client_steps=steps_this,
                 seconds=time.perf_counter() - tr,
                 start_params=before,

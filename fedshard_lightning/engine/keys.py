@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["SAMPLING", "keyed_rng", "sample_participants"]
+__all__ = ["SAMPLING", "keyed_rng", "keyed_uniform_bits", "mix64", "sample_participants"]
 
 SAMPLING = -1
 """Client slot used for the per-round participant sampling of a group."""
@@ -23,6 +23,40 @@ def keyed_rng(seed: int, stage: int, group: int, round_: int, client: int) -> np
     return np.random.default_rng(
         [int(seed) & 0xFFFFFFFF, int(stage), int(group), int(round_), int(client) + 1]
     )
+
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+
+
+def mix64(z: np.ndarray) -> np.ndarray:
+    """SplitMix64's finalizer on uint64 arrays: a bijective hash with full avalanche."""
+    z = np.asarray(z, dtype=np.uint64) + _GOLDEN
+    z = (z ^ (z >> np.uint64(30))) * _M1
+    z = (z ^ (z >> np.uint64(27))) * _M2
+    return z ^ (z >> np.uint64(31))
+
+
+def _u64(v: int | np.ndarray) -> np.ndarray:
+    return np.asarray(v, dtype=np.int64).astype(np.uint64)
+
+
+def keyed_uniform_bits(
+    seed: int, stage: int, groups: np.ndarray, round_: int, clients: np.ndarray, counters: np.ndarray
+) -> np.ndarray:
+    """64 random bits per draw, a hash of ``(seed, stage, group, round, client, counter)``.
+
+    The counter-based form of :func:`keyed_rng` for many clients at once (one vectorized hash
+    instead of one generator per client): ``groups``, ``clients`` and ``counters`` broadcast.
+    """
+    with np.errstate(over="ignore"):
+        k = mix64(_u64(int(seed) & 0xFFFFFFFF))
+        k = mix64(k ^ _u64(stage))
+        k = mix64(k ^ _u64(groups))
+        k = mix64(k ^ _u64(round_))
+        k = mix64(k ^ _u64(np.asarray(clients) + 1))
+        return mix64(k ^ mix64(_u64(counters)))
 
 
 def sample_participants(

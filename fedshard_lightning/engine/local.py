@@ -1,11 +1,16 @@
-"""Local training of many clients in one round: stacked (vmap) and per-client loop, same math.
+"""Local training of many clients in one round: stacked and per-client loop, same math.
 
 Both functions take the clients' starting parameters stacked along a leading dimension and return
 their final parameters stacked the same way. The stacked version sorts clients by their number of
 steps (clients with more data take more steps); at every step the clients still training are a
 prefix of that order, so finished clients are retired (their parameters copied out) and the
-optimizer state is sliced, never masked. Partial last batches are handled exactly by calling the
-training step once per distinct batch size at that step, so the user's loss needs no masking.
+optimizer state is sliced, never masked.
+
+Stacked kernels, fastest first: the hand-written chain (:mod:`.chain`), the fx rewrite
+(:mod:`.stacked`), and ``vmap`` of the user's ``training_step``. The first two exist only for
+models made of per-sample operations, so they pad partial batches and mask them (one call per
+step); under ``vmap`` a partial batch is exact for any model by calling the training step once
+per distinct batch size at that step.
 """
 
 from __future__ import annotations
@@ -20,8 +25,10 @@ from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
 from fedshard_lightning.data.base import FederatedDataModule
+from fedshard_lightning.engine.chain import StackedChain
 from fedshard_lightning.engine.optim import OptimizerSpec, normalize_optimizer, shrink_optimizer
 from fedshard_lightning.engine.schedule import LocalSchedule
+from fedshard_lightning.engine.stacked import ConvMode, StackedProgram, Unsupported, probe_params
 from fedshard_lightning.module import FederatedModule
 
 __all__ = ["ClientBatch", "LocalTrainer"]
@@ -36,11 +43,8 @@ class _StepCaller(nn.Module):
         super().__init__()
         self.m = module
 
-    def forward(self, x: Tensor, y: Tensor, mask: Tensor | None = None) -> Tensor:
-        if mask is None:
-            return self.m.training_step((x, y), 0)
-        # Padded batch: the mean over the real samples, as training_step would compute it.
-        return (self.m.per_sample_loss((x, y)) * mask).sum() / mask.sum()
+    def forward(self, x: Tensor, y: Tensor) -> Tensor:
+        return self.m.training_step((x, y), 0)
 
 
 @dataclass
@@ -83,15 +87,25 @@ class LocalTrainer:
         self.dtype = next(module.parameters()).dtype
         self._caller = _StepCaller(module)
         self._fwd = vmap(self._loss, in_dims=(0, None, 0, 0))
-        self._fwd_masked = vmap(self._loss, in_dims=(0, None, 0, 0, 0))
-        # The default training_step is a mean of per_sample_loss: partial batches can then be
-        # padded and masked (one call per step) instead of one call per distinct batch size.
+        # The default training_step is a mean of per_sample_loss, which the fx kernels rewrite.
         self.maskable = isinstance(module, FederatedModule) and (
             type(module).training_step is FederatedModule.training_step
         )
         self._worker: nn.Module | None = None
+        # Stacked kernel: "auto" (hand-written chain, else fx program, else vmap), "fx" or "vmap".
+        self.kernel = "auto"
+        # Stacked convolutions: one grouped call (GPU) or one call per client (faster on CPU).
+        self.conv_mode: ConvMode = (
+            "per_client" if next(module.parameters()).device.type == "cpu" else "grouped"
+        )
+        self._program: StackedProgram | None = None
+        self._chain: StackedChain | None = None
+        self.program_status: str | None = None  # "fx", "fx+chain", or "vmap: <why>"
         self.loop_uses_spec = False
-        self._client_np = [ix.cpu().numpy() for ix in datamodule.client_indices]
+        own = [ix.cpu().numpy().astype(np.int64) for ix in datamodule.client_indices]
+        self._client_len = np.array([len(o) for o in own], dtype=np.int64)
+        self._client_off = np.cumsum(self._client_len) - self._client_len
+        self._all_own = np.concatenate(own) if own else np.zeros(0, dtype=np.int64)
 
     def _loss(
         self,
@@ -99,9 +113,55 @@ class LocalTrainer:
         buffers: dict[str, Tensor],
         x: Tensor,
         y: Tensor,
-        mask: Tensor | None = None,
     ) -> Tensor:
-        return functional_call(self._caller, (params, buffers), (x, y, mask))
+        return functional_call(self._caller, (params, buffers), (x, y))
+
+    def program(self) -> StackedProgram | None:
+        """The vmap-free rewrite of the model's loss, built and checked once (None: keep vmap)."""
+        if self.program_status is None:
+            self.program_status = "vmap: chosen"
+            if self.kernel != "vmap" and self.maskable:
+                sample = self._check_sample()
+                try:
+                    self._program = StackedProgram.build(self.module, self.names, self.conv_mode)
+                    self._program.check(self.module, *sample, self.names)
+                    self.program_status = "fx"
+                except Unsupported as err:
+                    self._program, self.program_status = None, f"vmap: {err}"
+                if self._program is not None and self.kernel == "auto":
+                    try:
+                        chain = StackedChain.from_program(self._program, self.conv_mode)
+                        params = probe_params(self.module, self.names, sample[0].shape[0])
+                        chain.check(self._program, params, *sample)
+                        self._chain, self.program_status = chain, "fx+chain"
+                    except Unsupported as err:
+                        self._chain, self.program_status = None, f"fx (no chain: {err})"
+            elif self.kernel != "vmap":
+                self.program_status = "vmap: training_step is overridden"
+        return self._program
+
+    def _fused_sgd_lr(self) -> dict[str, float] | None:
+        """Learning rate by parameter when the client optimizer is plain SGD (fused into backward)."""
+        if self.spec.cls is not torch.optim.SGD:
+            return None
+        lr = {}
+        for names, hp in self.spec.groups:
+            plain = (
+                hp.get("momentum", 0) == 0
+                and hp.get("weight_decay", 0) == 0
+                and not hp.get("maximize", False)
+                and not isinstance(hp.get("lr"), Tensor)
+            )
+            if not plain:
+                return None
+            lr.update(dict.fromkeys(names, float(hp["lr"])))
+        return lr
+
+    def _check_sample(self) -> tuple[Tensor, Tensor]:
+        """A few samples of up to three non-empty clients, [C, B, ...], for the program check."""
+        own = [ix for ix in self.dm.client_indices if len(ix) > 0][:3]
+        k = min(4, *(len(ix) for ix in own))
+        return self.dm.gather(torch.stack([ix[:k] for ix in own]), self.dtype)
 
     def _grad(
         self,
@@ -111,50 +171,57 @@ class LocalTrainer:
         y: Tensor,
         mask: Tensor | None = None,
     ) -> tuple[dict[str, Tensor], Tensor]:
-        """Per-client gradients: vmapped forward, one backward of the summed client losses.
+        """Per-client gradients: stacked forward, one backward of the summed client losses.
 
         Client c's loss depends only on its own parameter slice, so the gradient of the sum
         with respect to that slice is exactly client c's gradient.
         """
+        prog = self.program()
         with torch.enable_grad():
-            losses = (
-                self._fwd(leaves, buffers, x, y)
-                if mask is None
-                else self._fwd_masked(leaves, buffers, x, y, mask)
-            )
+            if prog is not None:
+                per = prog({k[len(_PREFIX) :]: v for k, v in leaves.items()}, x, y)
+                losses = per.mean(1) if mask is None else (per * mask).sum(1) / mask.sum(1)
+            else:
+                losses = self._fwd(leaves, buffers, x, y)
             grads = torch.autograd.grad(losses.sum(), list(leaves.values()))
         return dict(zip(leaves, grads)), losses.detach()
 
-    def schedules(self, batch: ClientBatch) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """Global sample indices [steps, B] and batch sizes [steps] of every client."""
-        idx, sizes = [], []
-        for c, g in zip(batch.clients, batch.groups):
-            own = self._client_np[c]
-            pos, sz = self.schedule.batches(len(own), self.seed, batch.stage, g, batch.round, c)
-            idx.append(own[pos])
-            sizes.append(sz)
-        return idx, sizes
+    def schedules(self, batch: ClientBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Global sample indices [m, S, B], batch sizes [m, S] and step counts [m] of the clients."""
+        cl = np.asarray(batch.clients, dtype=np.int64)
+        pos, sizes, steps = self.schedule.plan(
+            self._client_len[cl], self.seed, batch.stage, np.asarray(batch.groups), batch.round, cl
+        )
+        gidx = self._all_own[self._client_off[cl][:, None, None] + pos] if pos.size else pos
+        return gidx, sizes, steps
 
     # -- stacked ---------------------------------------------------------------------------------
-    def train_stacked(self, start: dict[str, Tensor], batch: ClientBatch) -> LocalResult:
-        """All clients of ``batch`` at once under vmap; equal to :meth:`train_loop`."""
-        idx_list, size_list = self.schedules(batch)
+    def train_stacked(
+        self, start: dict[str, Tensor], batch: ClientBatch, rows: Tensor | None = None
+    ) -> LocalResult:
+        """All clients of ``batch`` at once; equal to :meth:`train_loop`.
+
+        Args:
+            start: Starting parameters, one row per client, or per group when ``rows`` is given.
+            batch: The clients.
+            rows: Row of ``start`` each client starts from (saves expanding group models).
+        """
+        gidx, gsz, steps = self.schedules(batch)
         m_all = len(batch.clients)
-        steps = np.array([len(s) for s in size_list], dtype=np.int64)
         order = np.argsort(-steps, kind="stable")
         s_max = int(steps.max()) if m_all else 0
         b = self.schedule.batch_size
         device = next(iter(start.values())).device
-        gidx = np.zeros((s_max, m_all, b), dtype=np.int64)
-        gsz = np.zeros((s_max, m_all), dtype=np.int64)
-        for j, i in enumerate(order):
-            gidx[: steps[i], j] = idx_list[i]
-            gsz[: steps[i], j] = size_list[i]
-        gidx_t = torch.as_tensor(gidx, device=device)
+        gsz = np.ascontiguousarray(gsz[order].T)  # [S, m] in step order
+        gidx_t = torch.as_tensor(np.ascontiguousarray(gidx[order].transpose(1, 0, 2)), device=device)
         order_t = torch.as_tensor(order, device=device)
-        out = {n: torch.empty_like(start[n]) for n in self.names}
-        leaves = {_PREFIX + n: start[n].index_select(0, order_t).requires_grad_() for n in self.names}
+        pick = order_t if rows is None else rows.index_select(0, order_t)
+        out = {n: start[n].new_empty((m_all, *start[n].shape[1:])) for n in self.names}
+        leaves = {_PREFIX + n: start[n].index_select(0, pick).requires_grad_() for n in self.names}
         buffers = {_PREFIX + n: b_ for n, b_ in self.module.named_buffers()}
+        self.program()
+        chain = self._chain
+        fused = self._fused_sgd_lr() if chain is not None else None
         opt = self.spec.build(leaves, _PREFIX)
         loss_sum = torch.zeros(m_all, dtype=self.dtype, device=device)
         steps_sorted = steps[order]
@@ -169,11 +236,21 @@ class LocalTrainer:
                     shrink_optimizer(opt, list(leaves.values()), list(new.values()), m_s)
                     leaves, m = new, m_s
                 sizes = gsz[s, :m]
-                if (sizes == b).all():
+                if chain is not None:
+                    x, y = self.dm.gather(gidx_t[s, :m], self.dtype)
+                    weight = (np.arange(b) < sizes[:, None]) / sizes[:, None]
+                    weight_t = torch.as_tensor(weight, dtype=self.dtype, device=device)
+                    named = {k[len(_PREFIX) :]: v for k, v in leaves.items()}
+                    losses, by_name = chain.step(named, x, y, weight_t, fused)
+                    loss_sum[:m] += losses
+                    if fused is not None:
+                        continue
+                    grads = {_PREFIX + k: g for k, g in by_name.items()}
+                elif (sizes == b).all():
                     x, y = self.dm.gather(gidx_t[s, :m], self.dtype)
                     grads, losses = self._grad(leaves, buffers, x, y)
                     loss_sum[:m] += losses
-                elif self.maskable:
+                elif self._program is not None:  # per-sample ops only: pad and mask
                     x, y = self.dm.gather(gidx_t[s, :m], self.dtype)
                     mask = (
                         torch.arange(b, device=device) < torch.as_tensor(sizes, device=device)[:, None]
@@ -211,28 +288,32 @@ class LocalTrainer:
             out[k[len(_PREFIX) :]].index_copy_(0, rows, v[lo:hi].detach())
 
     # -- per-client loop (reference and fallback) -----------------------------------------------
-    def train_loop(self, start: dict[str, Tensor], batch: ClientBatch) -> LocalResult:
-        """One client after the other with the user's own optimizer and ``backward``."""
+    def train_loop(
+        self, start: dict[str, Tensor], batch: ClientBatch, rows: Tensor | None = None
+    ) -> LocalResult:
+        """One client after the other with the user's own optimizer and ``backward`` (args as stacked)."""
         if self._worker is None:
             self._worker = copy.deepcopy(self.module)
         worker = self._worker
         params = dict(worker.named_parameters())
-        idx_list, size_list = self.schedules(batch)
+        gidx_all, size_all, steps = self.schedules(batch)
         device = next(iter(start.values())).device
-        out = {n: torch.empty_like(start[n]) for n in self.names}
-        loss_sum = torch.zeros(len(batch.clients), dtype=self.dtype, device=device)
+        m_all = len(batch.clients)
+        src = list(range(m_all)) if rows is None else rows.tolist()
+        out = {n: start[n].new_empty((m_all, *start[n].shape[1:])) for n in self.names}
+        loss_sum = torch.zeros(m_all, dtype=self.dtype, device=device)
         worker._in_federated_step = True
         try:
             for i in range(len(batch.clients)):
                 with torch.no_grad():
                     for n in self.names:
-                        params[n].copy_(start[n][i])
+                        params[n].copy_(start[n][src[i]])
                 if self.loop_uses_spec:
                     opt = self.spec.build(params)
                 else:
                     opt = normalize_optimizer(worker.configure_optimizers(), type(worker).__name__)
-                gidx = torch.as_tensor(idx_list[i], device=device)
-                for s, size in enumerate(size_list[i]):
+                gidx = torch.as_tensor(gidx_all[i], device=device)
+                for s, size in enumerate(size_all[i, : steps[i]].tolist()):
                     x, y = self.dm.gather(gidx[s, :size], self.dtype)
                     opt.zero_grad(set_to_none=True)
                     loss = worker.training_step((x, y), s)
@@ -244,5 +325,4 @@ class LocalTrainer:
                         out[n][i].copy_(params[n])
         finally:
             worker._in_federated_step = False
-        steps = np.array([len(s) for s in size_list], dtype=np.int64)
         return LocalResult(out, steps, loss_sum)

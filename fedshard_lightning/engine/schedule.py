@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fedshard_lightning.engine.keys import keyed_rng
+from fedshard_lightning.engine.keys import keyed_uniform_bits
 from fedshard_lightning.errors import ConfigError
 
 __all__ = ["LocalSchedule"]
@@ -41,27 +41,65 @@ class LocalSchedule:
             return self.local_steps
         return self.local_epochs * math.ceil(n / self.batch_size)
 
+    def plan(
+        self,
+        n: np.ndarray,
+        seed: int,
+        stage: int,
+        groups: np.ndarray,
+        round_: int,
+        clients: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The batches of many clients in one round, from the keyed hash (SPEC section 3).
+
+        Every epoch visits a client's samples in a fresh keyed permutation; a client's batches
+        depend only on its own key, never on the other clients planned with it.
+
+        Args:
+            n: Sample count of every client.
+            seed: Training seed.
+            stage: Stage of the round.
+            groups: Group key of every client.
+            round_: Round within the stage.
+            clients: Client ids.
+
+        Returns:
+            ``pos`` [m, S, batch_size]: positions into each client's own index list (0-padded),
+            ``sizes`` [m, S]: batch sizes (0 after a client's last step) and ``steps`` [m], where
+            S is the largest number of steps.
+        """
+        n = np.asarray(n, dtype=np.int64)
+        m, b = len(n), self.batch_size
+        if self.local_steps is None:
+            steps = self.local_epochs * -(-n // b)
+        else:
+            steps = np.where(n > 0, self.local_steps, 0).astype(np.int64)
+        per_epoch = np.maximum(-(-n // b), 1)
+        epochs = -(-steps // per_epoch)
+        draws = n * epochs
+        owner = np.repeat(np.arange(m), draws)
+        within = np.arange(int(draws.sum()), dtype=np.int64) - np.repeat(np.cumsum(draws) - draws, draws)
+        n_own = n[owner]
+        epoch, rank = within // np.maximum(n_own, 1), within % np.maximum(n_own, 1)
+        bits = keyed_uniform_bits(
+            seed, stage, np.asarray(groups)[owner], round_, np.asarray(clients)[owner], within
+        )
+        perm = rank[np.lexsort((bits, epoch, owner))]  # segments (client, epoch) keep their place
+        step = epoch * per_epoch[owner] + rank // b
+        keep = step < steps[owner]
+        owner, step, slot, perm = owner[keep], step[keep], rank[keep] % b, perm[keep]
+        s_max = int(steps.max()) if m else 0
+        pos = np.zeros((m, s_max, b), dtype=np.int64)
+        pos[owner, step, slot] = perm
+        sizes = np.zeros((m, s_max), dtype=np.int64)
+        np.add.at(sizes, (owner, step), 1)
+        return pos, sizes, steps
+
     def batches(
         self, n: int, seed: int, stage: int, group: int, round_: int, client: int
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Positions (into the client's own index list) of every batch, padded with 0, and batch sizes.
-
-        Returns:
-            ``idx`` of shape [steps, batch_size] and ``sizes`` of shape [steps].
-        """
-        rng = keyed_rng(seed, stage, group, round_, client)
-        b = self.batch_size
-        steps = self.num_steps(n)
-        idx = np.zeros((steps, b), dtype=np.int64)
-        sizes = np.zeros(steps, dtype=np.int64)
-        s = 0
-        while s < steps:
-            perm = rng.permutation(n)
-            for start in range(0, n, b):
-                chunk = perm[start : start + b]
-                idx[s, : len(chunk)] = chunk
-                sizes[s] = len(chunk)
-                s += 1
-                if s == steps:
-                    break
-        return idx, sizes
+        """One client's :meth:`plan`: positions [steps, batch_size] (0-padded) and batch sizes [steps]."""
+        pos, sizes, steps = self.plan(
+            np.array([n]), seed, stage, np.array([group]), round_, np.array([client])
+        )
+        return pos[0, : steps[0]], sizes[0, : steps[0]]

@@ -1,0 +1,344 @@
+"""Stacked clients without vmap: the model's per-sample loss rewritten once into batched kernels.
+
+``vmap`` is general but pays Python dispatch on every operator of every step, which dominates
+small federated models (the digits MLP spends most of a stacked step outside its kernels). Most
+models are chains of standard layers, so :class:`StackedProgram` traces ``per_sample_loss`` with
+``torch.fx`` once and emits a program over all clients' samples merged into one batch dimension
+``[clients * batch, ...]``:
+
+* a layer with parameters gets a stacked kernel (``nn.Linear`` becomes ``baddbmm`` over the
+  clients' weights, ``nn.Conv2d`` a grouped or per-client convolution);
+* a per-sample operation (activations, pooling, flatten, the cross-entropy with
+  ``reduction="none"``) runs unchanged on the merged batch, because it never mixes samples.
+
+Anything else (batch statistics, buffers, parameters used outside a supported layer, an operator
+not known to be per-sample) keeps the ``vmap`` path. Before use, the program is checked against
+``vmap`` on the run's own data with distinct parameters per client, so a rewrite that mixed
+clients or samples is refused rather than trusted.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, fx, nn
+from torch.func import functional_call, vmap
+
+__all__ = ["ConvMode", "StackedProgram", "Unsupported", "probe_params", "stacked_conv2d", "stacked_linear"]
+
+ConvMode = Literal["grouped", "per_client"]
+
+# Modules without parameters that act on each sample separately.
+_PER_SAMPLE_MODULES: tuple[type[nn.Module], ...] = (
+    nn.ReLU,
+    nn.ReLU6,
+    nn.LeakyReLU,
+    nn.ELU,
+    nn.GELU,
+    nn.SiLU,
+    nn.Tanh,
+    nn.Sigmoid,
+    nn.Softplus,
+    nn.Mish,
+    nn.Hardtanh,
+    nn.Identity,
+    nn.Flatten,
+    nn.MaxPool1d,
+    nn.MaxPool2d,
+    nn.AvgPool1d,
+    nn.AvgPool2d,
+    nn.AdaptiveAvgPool2d,
+    nn.AdaptiveMaxPool2d,
+    nn.LogSoftmax,
+    nn.Softmax,
+)
+
+# Functions and tensor methods that act on each sample separately (given their arguments pass
+# ``_per_sample_args``).
+_PER_SAMPLE_FUNCTIONS: frozenset[Any] = frozenset(
+    {
+        F.relu,
+        torch.relu,
+        F.relu6,
+        F.leaky_relu,
+        F.elu,
+        F.gelu,
+        F.silu,
+        F.mish,
+        F.softplus,
+        torch.tanh,
+        F.tanh,
+        torch.sigmoid,
+        F.sigmoid,
+        F.max_pool1d,
+        F.max_pool2d,
+        F.avg_pool1d,
+        F.avg_pool2d,
+        F.adaptive_avg_pool2d,
+        F.adaptive_max_pool2d,
+        torch.flatten,
+        F.log_softmax,
+        F.softmax,
+        F.cross_entropy,
+        F.nll_loss,
+        operator.add,
+        operator.sub,
+        operator.mul,
+        operator.truediv,
+        operator.neg,
+    }
+)
+_PER_SAMPLE_METHODS: frozenset[str] = frozenset(
+    {
+        "relu",
+        "tanh",
+        "sigmoid",
+        "flatten",
+        "view",
+        "reshape",
+        "size",
+        "contiguous",
+        "float",
+        "log_softmax",
+        "softmax",
+    }
+)
+_LOSSES = (F.cross_entropy, F.nll_loss)
+
+
+def stacked_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``nn.Linear`` of every client on its own samples: x [C*B, ..., in], weight [C, out, in]."""
+    c, out_f, in_f = weight.shape
+    x3 = x.reshape(c, -1, in_f)
+    if bias is None:
+        y = torch.bmm(x3, weight.transpose(1, 2))
+    else:
+        y = torch.baddbmm(bias.unsqueeze(1), x3, weight.transpose(1, 2))
+    return y.reshape(*x.shape[:-1], out_f)
+
+
+def stacked_conv2d(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    stride: Any,
+    padding: Any,
+    dilation: Any,
+    mode: ConvMode = "grouped",
+) -> Tensor:
+    """``nn.Conv2d`` of every client on its own samples: x [C*B, Cin, H, W], weight [C, Cout, Cin, k, k].
+
+    ``grouped`` runs one convolution with the clients as groups (what ``vmap`` does);
+    ``per_client`` runs one ordinary convolution per client, which the CPU backends do faster.
+    """
+    c, c_out = weight.shape[:2]
+    xs = x.reshape(c, -1, *x.shape[1:])
+    if mode == "per_client":
+        outs = [
+            F.conv2d(xs[i], weight[i], None if bias is None else bias[i], stride, padding, dilation)
+            for i in range(c)
+        ]
+        return torch.cat(outs)
+    b = xs.shape[1]
+    xg = xs.transpose(0, 1).reshape(b, -1, *x.shape[2:])
+    yg = F.conv2d(
+        xg,
+        weight.reshape(c * c_out, *weight.shape[2:]),
+        None if bias is None else bias.reshape(-1),
+        stride,
+        padding,
+        dilation,
+        groups=c,
+    )
+    return yg.reshape(b, c, c_out, *yg.shape[2:]).transpose(0, 1).reshape(c * b, c_out, *yg.shape[2:])
+
+
+class _LossOf(nn.Module):
+    """``per_sample_loss`` as a forward, so fx can trace it."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.m = module
+
+    def forward(self, x: Tensor, y: Tensor) -> Tensor:
+        return self.m.per_sample_loss((x, y))
+
+
+class Unsupported(Exception):
+    """The model cannot be rewritten; the message says why (the engine then keeps vmap)."""
+
+
+def _per_sample_args(node: fx.Node) -> bool:
+    """Reject argument values that would make a per-sample operator act across the batch."""
+    target, kw = node.target, node.kwargs
+    if target in _LOSSES:
+        return kw.get("reduction", "mean") == "none" and len(node.args) <= 2
+    if target in (torch.flatten, "flatten"):
+        start = kw.get("start_dim", node.args[1] if len(node.args) > 1 else 0)
+        return isinstance(start, int) and start >= 1
+    if target in (F.log_softmax, F.softmax, "log_softmax", "softmax"):
+        dim = kw.get("dim", node.args[1] if len(node.args) > 1 else None)
+        return isinstance(dim, int) and dim != 0
+    return True
+
+
+class StackedProgram:
+    """``per_sample_loss`` of many clients at once, from stacked parameters, without vmap.
+
+    Build with :meth:`build`, which returns the program or raises :class:`Unsupported`.
+
+    Args:
+        graph_module: The rewritten graph: ``(x, y, *params) -> losses [C*B]``.
+        order: Parameter names in the order of the graph's parameter inputs.
+    """
+
+    def __init__(self, graph_module: fx.GraphModule, order: list[str]) -> None:
+        self.gm = graph_module
+        self.order = order
+
+    def __call__(self, params: dict[str, Tensor], x: Tensor, y: Tensor) -> Tensor:
+        """Per-sample losses [C, B] of stacked params [C, ...] on x [C, B, ...] and y [C, B]."""
+        c, b = y.shape[:2]
+        out = self.gm(x.reshape(c * b, *x.shape[2:]), y.reshape(c * b), *[params[n] for n in self.order])
+        if out.shape != (c * b,):
+            raise Unsupported(
+                f"per_sample_loss returned shape {tuple(out.shape)}, expected one loss per sample"
+            )
+        return out.view(c, b)
+
+    # -- construction ---------------------------------------------------------------------------
+    @classmethod
+    def build(
+        cls, module: nn.Module, names: Sequence[str], conv_mode: ConvMode = "grouped"
+    ) -> StackedProgram:
+        """Trace and rewrite ``module.per_sample_loss``; raise :class:`Unsupported` if not possible."""
+        if any(True for _ in module.buffers()):
+            raise Unsupported("the model has buffers (e.g. batch norm statistics)")
+        try:
+            traced = fx.symbolic_trace(_LossOf(module))
+        except Exception as err:  # fx raises many types on untraceable Python
+            raise Unsupported(
+                f"per_sample_loss is not traceable by torch.fx ({type(err).__name__}: {err})"
+            ) from err
+        trainable = set(names)
+        graph = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        order: list[str] = []
+        old = list(traced.graph.nodes)
+        for node in old:
+            if node.op == "placeholder":
+                env[node] = graph.placeholder(node.name)
+        layers = {}
+        for node in old:
+            if node.op != "call_module":
+                continue
+            sub = traced.get_submodule(node.target)
+            if isinstance(sub, (nn.Linear, nn.Conv2d)):
+                prefix = node.target.removeprefix("m.")
+                own = [f"{prefix}.{n}" for n, _ in sub.named_parameters()]
+                if not all(n in trainable for n in own):
+                    raise Unsupported(f"layer {prefix} has frozen parameters")
+                layers[node] = (sub, prefix)
+                order.extend(own)
+        placeholders = {n: graph.placeholder("p_" + n.replace(".", "_")) for n in order}
+        used = set()
+        for node in old:
+            if node.op == "placeholder":
+                continue
+            if node.op == "output":
+                graph.output(env[node.args[0]])
+                continue
+            if node.op == "get_attr":
+                raise Unsupported(
+                    f"forward reads {node.target} directly; only parameters of nn.Linear/nn.Conv2d are stacked"
+                )
+            if node in layers:
+                sub, prefix = layers[node]
+                w = placeholders[f"{prefix}.weight"]
+                b = placeholders.get(f"{prefix}.bias")
+                used.update(n for n in order if n.startswith(prefix + "."))
+                (arg,) = node.args
+                if isinstance(sub, nn.Linear):
+                    env[node] = graph.call_function(stacked_linear, (env[arg], w, b))
+                else:
+                    if sub.groups != 1 or sub.padding_mode != "zeros":
+                        raise Unsupported(f"conv {prefix}: only groups=1 and zero padding are stacked")
+                    env[node] = graph.call_function(
+                        stacked_conv2d, (env[arg], w, b, sub.stride, sub.padding, sub.dilation, conv_mode)
+                    )
+                continue
+            if node.op == "call_module":
+                sub = traced.get_submodule(node.target)
+                if type(sub) not in _PER_SAMPLE_MODULES or any(True for _ in sub.parameters()):
+                    raise Unsupported(
+                        f"module {node.target.removeprefix('m.')} ({type(sub).__name__}) has no stacked form"
+                    )
+                if isinstance(sub, nn.Flatten) and sub.start_dim == 0:
+                    raise Unsupported("nn.Flatten(start_dim=0) mixes samples")
+                if isinstance(sub, (nn.Softmax, nn.LogSoftmax)) and sub.dim in (0, None):
+                    raise Unsupported("softmax over the batch dimension mixes samples")
+            elif node.op == "call_function":
+                if node.target not in _PER_SAMPLE_FUNCTIONS or not _per_sample_args(node):
+                    raise Unsupported(
+                        f"operation {getattr(node.target, '__name__', node.target)} has no stacked form"
+                    )
+            elif node.op == "call_method" and (
+                node.target not in _PER_SAMPLE_METHODS or not _per_sample_args(node)
+            ):
+                raise Unsupported(f"tensor method {node.target} has no stacked form")
+            env[node] = graph.node_copy(node, lambda n: env[n])
+        if set(order) != used or set(order) != trainable:
+            raise Unsupported("some trainable parameters are not inside a stackable layer")
+        gm = fx.GraphModule(traced, graph)
+        return cls(gm, order)
+
+    def check(
+        self,
+        module: nn.Module,
+        x: Tensor,
+        y: Tensor,
+        names: Sequence[str],
+        rtol: float = 1e-4,
+    ) -> None:
+        """Compare losses and gradients with vmap on distinct per-client parameters; raise if they differ.
+
+        Args:
+            module: The model (its parameters are the base of the per-client perturbation).
+            x: Samples [C, B, ...] (C >= 2 clients).
+            y: Labels [C, B].
+            names: Trainable parameter names.
+            rtol: Relative tolerance (of the largest magnitude of each tensor).
+        """
+        params = {k: v.requires_grad_() for k, v in probe_params(module, names, x.shape[0]).items()}
+        caller = _LossOf(module)
+        buffers = dict(module.named_buffers())
+
+        def ref(pc: dict[str, Tensor], xc: Tensor, yc: Tensor) -> Tensor:
+            return functional_call(caller, ({"m." + k: v for k, v in pc.items()}, buffers), (xc, yc))
+
+        with torch.enable_grad():
+            want = vmap(ref)(params, x, y)
+            g_want = torch.autograd.grad(want.sum(), list(params.values()))
+            got = self(params, x, y)
+            g_got = torch.autograd.grad(got.sum(), list(params.values()))
+        for label, a, b in [("loss", got, want), *zip(names, g_got, g_want)]:
+            tol = rtol * float(b.detach().abs().max().clamp_min(1e-12))
+            if a.shape != b.shape or not bool(((a - b).detach().abs() <= tol).all()):
+                raise Unsupported(f"the stacked rewrite of per_sample_loss disagrees with vmap on {label}")
+
+
+def probe_params(module: nn.Module, names: Sequence[str], c: int) -> dict[str, Tensor]:
+    """Distinct parameters for ``c`` clients around the model's own (seeded), for the checks."""
+    named = dict(module.named_parameters())
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    params = {}
+    for n in names:
+        p = named[n].detach()
+        noise = torch.randn((c, *p.shape), generator=gen, dtype=torch.float64).to(p)
+        scale = p.abs().mean().clamp_min(1e-3)
+        params[n] = p.unsqueeze(0) + 0.5 * scale * noise
+    return params

@@ -1,0 +1,63 @@
+"""The vectorized keyed schedule: permutations per epoch, and no dependence on batch mates."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fedshard_lightning.engine.keys import keyed_uniform_bits, mix64
+from fedshard_lightning.engine.schedule import LocalSchedule
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 40), min_size=1, max_size=8),
+    b=st.integers(1, 9),
+    epochs=st.integers(1, 3),
+    steps=st.one_of(st.none(), st.integers(1, 12)),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_plan_is_per_client_and_visits_each_sample_once_per_epoch(sizes, b, epochs, steps, seed):
+    sched = LocalSchedule(batch_size=b, local_epochs=epochs, local_steps=steps)
+    n = np.array(sizes)
+    clients = np.arange(len(sizes)) * 7 + 3
+    groups = np.arange(len(sizes)) % 2
+    pos, sz, n_steps = sched.plan(n, seed, 2, groups, 5, clients)
+    for i, ni in enumerate(sizes):
+        assert n_steps[i] == sched.num_steps(ni)
+        alone_pos, alone_sz = sched.batches(ni, seed, 2, int(groups[i]), 5, int(clients[i]))
+        assert (pos[i, : n_steps[i]] == alone_pos).all() and (sz[i, : n_steps[i]] == alone_sz).all()
+        assert (sz[i, n_steps[i] :] == 0).all()
+        flat = np.concatenate([alone_pos[s, : alone_sz[s]] for s in range(len(alone_sz))])
+        per_epoch = -(-ni // b)
+        for e in range(0, len(alone_sz), per_epoch):
+            seen = np.concatenate(
+                [alone_pos[s, : alone_sz[s]] for s in range(e, min(e + per_epoch, len(alone_sz)))]
+            )
+            assert len(set(seen.tolist())) == len(seen)  # no sample twice within an epoch
+            if e + per_epoch <= len(alone_sz):
+                assert sorted(seen.tolist()) == list(range(ni))
+        assert flat.max() < ni
+
+
+def test_keyed_bits_depend_on_every_key_field():
+    base = dict(
+        seed=1, stage=2, groups=np.array([3]), round_=4, clients=np.array([5]), counters=np.array([6])
+    )
+    ref = keyed_uniform_bits(**base)
+    for field, other in [
+        ("seed", 9),
+        ("stage", 9),
+        ("groups", np.array([9])),
+        ("round_", 9),
+        ("clients", np.array([9])),
+        ("counters", np.array([9])),
+    ]:
+        assert keyed_uniform_bits(**{**base, field: other}) != ref
+    assert (keyed_uniform_bits(**base) == ref).all()
+
+
+def test_mix64_is_a_bijection_on_a_sample():
+    z = np.arange(100_000, dtype=np.uint64)
+    assert len(np.unique(mix64(z))) == len(z)
