@@ -175,8 +175,11 @@ class StackedChain:
             g.scatter_add_(1, yf, torch.full_like(yf, -1, dtype=g.dtype))
             g.mul_(weight.reshape(-1, 1))
             grads: dict[str, Tensor] = {}
-            for i in range(len(self.ops) - 2, -1, -1):
-                g = self._backward(self.ops[i], params, saved[i], g, i > 0, lr, grads)
+            first = min(i for i, op in enumerate(self.ops) if op.params)
+            for i in range(
+                len(self.ops) - 2, first - 1, -1
+            ):  # nothing below the first layer needs a gradient
+                g = self._backward(self.ops[i], params, saved[i], g, i > first, lr, grads)
         return losses, grads
 
     def _forward(self, op: _Op, params: dict[str, Tensor], h: Tensor) -> tuple[Tensor, Any]:

@@ -260,7 +260,11 @@ class FederatedEngine:
                 res = self._run_local(state, own_t, ClientBatch(cl, [groups[i].key for i in ow], stage, r))
                 self._check_finite(res, cl, ow, groups, stage, r)
                 n = torch.as_tensor(self.sizes[cl], dtype=state[self.names[0]].dtype, device=own_t.device)
+                single = ow[0] if ow.count(ow[0]) == len(ow) else None
                 for k in acc:
+                    if single is not None:  # one group: the weighted sum is one pass (GEMV) over the rows
+                        acc[k][single] += (n @ res.params[k].reshape(len(cl), -1)).view(acc[k].shape[1:])
+                        continue
                     w = n.view(-1, *([1] * (res.params[k].ndim - 1)))
                     # The local results are fresh tensors: weight them in place unless they are kept.
                     acc[k].index_add_(

@@ -274,7 +274,10 @@ class LocalTrainer:
                     v.grad = None
         finally:
             self.module._in_federated_step = False
-        self._retire(out, leaves, order_t, 0, m)
+        if m == m_all and bool((order == np.arange(m_all)).all()):
+            out = {k[len(_PREFIX) :]: v.detach() for k, v in leaves.items()}  # nobody retired early
+        else:
+            self._retire(out, leaves, order_t, 0, m)
         inv = torch.empty_like(order_t)
         inv[order_t] = torch.arange(m_all, device=device)
         return LocalResult(out, steps, loss_sum.index_select(0, inv))
