@@ -48,7 +48,8 @@ def workload(name: str, clients: int):
     return model, dm
 
 
-def time_mode(model, dm, mode: str, batch: int, rounds: int, repeats: int) -> tuple[float, int, str]:
+def time_mode(model, dm, mode: str, batch: int, rounds: int, repeats: int) -> tuple[float, int, str, str]:
+    """Median seconds of ``rounds`` rounds, client-updates, the mode run and the stacked kernel."""
     eng = FederatedEngine(model, dm, LocalSchedule(batch_size=batch), vectorize=mode)
     k = len(dm.client_indices)
     init = stack_params([eng.module_params()])
@@ -59,7 +60,7 @@ def time_mode(model, dm, mode: str, batch: int, rounds: int, repeats: int) -> tu
         t = time.perf_counter()
         eng.train_groups(init, groups)
         times.append(time.perf_counter() - t)
-    return statistics.median(times), k * rounds, eng.mode
+    return statistics.median(times), k * rounds, eng.mode, eng.local.program_status or "-"
 
 
 def main() -> None:
@@ -67,30 +68,35 @@ def main() -> None:
     ap.add_argument("--suite", choices=["issue2", "full"], default="issue2")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     grid = [("digits-mlp", 64, 10), ("mnist-cnn", 64, 10)]
     if args.suite == "full":
         grid = [
-            ("digits-mlp", 64, 10),
-            ("digits-mlp", 256, 10),
-            ("mnist-2nn", 256, 10),
-            ("mnist-cnn", 64, 10),
-            ("mnist-cnn", 64, 50),
-            ("cifar-cnn", 64, 10),
-            ("cifar-cnn", 64, 50),
+            (name, k, b)
+            for name, k in [
+                ("digits-mlp", 64),
+                ("digits-mlp", 256),
+                ("mnist-2nn", 256),
+                ("mnist-cnn", 64),
+                ("cifar-cnn", 64),
+            ]
+            for b in (10, 50)
         ]
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, medians of {args.repeats}")
     print(
-        f"{'workload':<12} {'K':>5} {'B':>4} {'loop upd/s':>11} {'stacked upd/s':>14} {'ratio':>7} {'auto picks':>11}"
+        f"{'workload':<12} {'K':>5} {'B':>4} {'loop upd/s':>11} {'stacked upd/s':>14} {'ratio':>7} {'auto picks':>11}  kernel"
     )
     for name, k, b in grid:
         model, dm = workload(name, k)
         rounds = args.rounds if "mlp" in name or "2nn" in name else 1
-        t_loop, n, _ = time_mode(model, dm, "never", b, rounds, args.repeats)
-        t_stack, _, _ = time_mode(model, dm, "always", b, rounds, args.repeats)
-        _, _, picked = time_mode(model, dm, "auto", b, 1, 1)
+        t_loop, n, _, _ = time_mode(model, dm, "never", b, rounds, args.repeats)
+        t_stack, _, _, kernel = time_mode(model, dm, "always", b, rounds, args.repeats)
+        _, _, picked, _ = time_mode(model, dm, "auto", b, 1, 1)
         print(
-            f"{name:<12} {k:>5} {b:>4} {n / t_loop:>11.1f} {n / t_stack:>14.1f} {t_loop / t_stack:>6.2f}x {picked:>11}",
+            f"{name:<12} {k:>5} {b:>4} {n / t_loop:>11.1f} {n / t_stack:>14.1f} {t_loop / t_stack:>6.2f}x {picked:>11}  {kernel}",
             flush=True,
         )
 
