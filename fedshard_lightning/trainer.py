@@ -142,6 +142,7 @@ class FederatedTrainer:
         self._global_round = 0
         self._client_steps = 0
         self._test_data: tuple[Tensor, Tensor] | None = None
+        self._client_sizes: list[int] = []
 
     # -- properties ------------------------------------------------------------------------------
     @property
@@ -265,6 +266,7 @@ class FederatedTrainer:
         with self.fabric.rank_zero_first():
             datamodule.prepare_data()
         datamodule.setup("fit")
+        self._client_sizes = datamodule.client_sizes  # O(K) to compute: once, not every round
         torch.manual_seed(self.seed)
         model.bind_data(datamodule.input_shape, datamodule.num_classes)
         model = self.fabric.strategy.precision.convert_module(model).to(self.device)
@@ -380,7 +382,7 @@ class FederatedTrainer:
     def round_end(self, info: RoundInfo, state: dict[str, Tensor], groups: Sequence[Group]) -> None:
         """Fired by algorithms after each round: measure, then call the callbacks."""
         self._client_steps += info.client_steps
-        sizes = self.datamodule.client_sizes
+        sizes = self._client_sizes
         active_w = [sum(sizes[c] for c in p) for p in info.participants]
         train_loss = sum(w * loss for w, loss in zip(active_w, info.mean_loss)) / max(sum(active_w), 1)
         metrics: dict[str, float] = {

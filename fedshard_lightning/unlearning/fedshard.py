@@ -165,6 +165,11 @@ class FedShard(Algorithm):
         self.models: list[dict[str, Tensor]] = []
         self.total_client_steps = 0
         self.stage_seconds: list[float] = []
+        self._sizes: list[int] = []
+        self._steps: list[int] = []
+        # (cache root, version, {stage: models}): the in-memory stage models that are the files of
+        # that committed version, so the next commit hard-links the stages that did not change.
+        self._committed: tuple[str, str, dict[int, dict[str, Tensor]]] | None = None
 
     def hparams(self) -> dict[str, Any]:
         """Base settings plus the tree and round settings."""
@@ -177,13 +182,19 @@ class FedShard(Algorithm):
         }
 
     # -- helpers ----------------------------------------------------------------------------------
+    def attach(self, trainer: Any) -> None:
+        """Build the engine; remember every client's sample count and local steps per round."""
+        super().attach(trainer)
+        self._sizes = [int(n) for n in trainer.datamodule.client_sizes]
+        self._steps = [self.schedule.num_steps(n) for n in self._sizes]
+
     @property
     def planned_stages(self) -> int:
         """P, the number of stages for K clients at rate R."""
         return num_stages(self.num_clients, self.merge_rate)
 
     def _client_weight(self, c: int) -> float:
-        return 1.0 if self.merge_weighting == "clients" else float(self.trainer.datamodule.client_sizes[c])
+        return 1.0 if self.merge_weighting == "clients" else float(self._sizes[c])
 
     def _merge_seed(self, stage: int) -> int:
         return (self.trainer.seed * 1_000_003 + stage * 7919) % (2**32)
@@ -314,11 +325,14 @@ class FedShard(Algorithm):
 
     # -- costs ------------------------------------------------------------------------------------
     def _shard_cost(self, stage: int, index: int, remaining: Sequence[int], rounds: int) -> int:
+        if not remaining:
+            return 0
+        if self.client_fraction >= 1.0 and self.engine.participants_fn is None:
+            # Every client takes part in every round (SPEC section 3): no per-round sample to draw.
+            return rounds * sum(self._steps[c] for c in remaining)
         group = Group(index, tuple(remaining), rounds)
-        return (
-            sum(self.engine.client_steps_of(self.engine.participants(stage, group, r)) for r in range(rounds))
-            if remaining
-            else 0
+        return sum(
+            self.engine.client_steps_of(self.engine.participants(stage, group, r)) for r in range(rounds)
         )
 
     def _plan(self, clients: Sequence[int]) -> dict[int, list[int]]:
@@ -452,49 +466,71 @@ class FedShard(Algorithm):
             **self.manifest_base(complete=len(self.records) == self.planned_stages),
             "merge_rate": self.merge_rate,
             "planned_stages": self.planned_stages,
-            "client_sizes": list(self.trainer.datamodule.client_sizes),
+            "client_sizes": list(self._sizes),
             "tree": self.tree.to_dict(),
             "stages": [[r.to_dict() for r in recs] for recs in self.records],
             "round_policy_state": self.round_policy.state_dict(),
         }
         tensors = {"theta0.safetensors": self.theta0}
         reuse = {}
-        base = cache.manifest() if cache.exists() else None
+        base_version = cache.current() if cache.exists() else None
+        base = cache.manifest(base_version) if base_version is not None else None
         for p, m in enumerate(self.models, start=1):
             fname = f"stage_{p}.safetensors"
-            if base is not None and fname in base["files"] and self._stage_unchanged(p, base):
+            if (
+                base is not None
+                and fname in base["files"]
+                and self._stage_unchanged(p, base, cache, base_version)
+            ):
                 reuse[fname] = fname
             else:
                 tensors[fname] = m
         if "theta0.safetensors" in (base or {}).get("files", {}):
             reuse["theta0.safetensors"] = "theta0.safetensors"
             del tensors["theta0.safetensors"]
-        return cache.commit(cache.next_name(label), manifest, tensors, reuse=reuse)
+        version = cache.commit(cache.next_name(label), manifest, tensors, reuse=reuse)
+        self._mark_committed(cache, version)
+        return version
 
-    def _stage_unchanged(self, stage: int, base: dict[str, Any]) -> bool:
+    def _mark_committed(self, cache: FLCache, version: str) -> None:
+        """Remember that the current stage models are the files of ``version``."""
+        self._committed = (str(cache.root), version, dict(enumerate(self.models, start=1)))
+
+    def _stage_unchanged(self, stage: int, base: dict[str, Any], cache: FLCache, base_version: str) -> bool:
+        """Whether stage ``stage``'s file in ``base_version`` holds exactly the current records and models.
+
+        True for the stages a fit committed before (each stage commit hard-links the earlier
+        stages instead of rewriting them) and for stages loaded from ``base_version``.
+        """
         stages = base.get("stages", [])
+        committed = self._committed
         return (
-            base.get("fingerprint") == self.trainer.fingerprint
+            committed is not None
+            and committed[0] == str(cache.root)
+            and committed[1] == base_version
+            and committed[2].get(stage) is self.models[stage - 1]
+            and base.get("fingerprint") == self.trainer.fingerprint
             and len(stages) >= stage
             and stages[stage - 1] == [r.to_dict() for r in self.records[stage - 1]]
-            and getattr(self, "_loaded_models", {}).get(stage) is self.models[stage - 1]
         )
 
     def _restore(self, cache: FLCache) -> dict[str, Any]:
         manifest = self.trainer.check_manifest(cache, self.name)
+        version = cache.current()
         if manifest.get("num_clients") != self.num_clients or manifest.get("merge_rate") != self.merge_rate:
             raise CacheError(f"{cache.root}: the cache was made for another number of clients or merge rate")
         device = self.trainer.device
-        self.theta0 = cache.tensors("theta0.safetensors", device=device)
+        self.theta0 = cache.tensors("theta0.safetensors", version=version, device=device, manifest=manifest)
         try:
             self.tree = ShardTree.from_dict(manifest["tree"])
             self.records = [[ShardRecord.from_dict(r) for r in recs] for recs in manifest["stages"]]
         except (KeyError, TypeError, ValueError) as e:
             raise CacheError(f"{cache.root}: the manifest's tree is malformed ({e})") from None
         self.models = [
-            cache.tensors(f"stage_{p}.safetensors", device=device) for p in range(1, len(self.records) + 1)
+            cache.tensors(f"stage_{p}.safetensors", version=version, device=device, manifest=manifest)
+            for p in range(1, len(self.records) + 1)
         ]
-        self._loaded_models = {p: m for p, m in enumerate(self.models, start=1)}
+        self._mark_committed(cache, version)
         self.unlearned = [int(c) for c in manifest.get("unlearned", [])]
         self.total_client_steps = int(manifest.get("client_steps", 0))
         if "round_policy_state" in manifest:

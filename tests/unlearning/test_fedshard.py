@@ -96,6 +96,28 @@ def test_resume_is_bit_identical(run_root, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_fit_writes_each_stage_file_once(run_root):
+    """Stage commits hard-link the earlier stages: the cache holds O(K) models, not O(K * P)."""
+    run = fit(run_root, k=8)
+    cache = FLCache(run / "cache")
+    versions = cache.versions()
+    assert len(versions) == 3
+    for p in (1, 2, 3):
+        inodes = {(run / "cache" / v / f"stage_{p}.safetensors").stat().st_ino for v in versions[p - 1 :]}
+        assert len(inodes) == 1, p
+    for v in versions:
+        cache.verify(v)
+    assert len((run / "cache" / versions[-1] / "manifest.json").read_text().splitlines()) == 1
+    unlearn(run_root, run, [3])  # every stage changes: every stage file is written anew
+    new = cache.current()
+    for p in (1, 2, 3):
+        name = f"stage_{p}.safetensors"
+        assert (run / "cache" / new / name).stat().st_ino != (
+            run / "cache" / versions[-1] / name
+        ).stat().st_ino
+    cache.verify(new)
+
+
 def test_same_seed_bit_identical_other_seed_differs(run_root, tmp_path):
     a = FLCache(fit(run_root, k=8) / "cache").tensors("stage_3.safetensors")
     b = FLCache(fit(tmp_path / "b", k=8) / "cache").tensors("stage_3.safetensors")
