@@ -14,6 +14,7 @@ The subcommands of the CLI are its methods: :meth:`fit`, :meth:`test`, :meth:`un
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -40,7 +41,7 @@ from fedshard_lightning.cache import (
 from fedshard_lightning.callbacks import FederatedCallback, FLCacheCheckpoint, MetricsLogger, ProgressBar
 from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.engine import FederatedEngine, Group, LocalSchedule, RoundInfo, evaluate
-from fedshard_lightning.errors import CacheError, ConfigError, UnlearningRequestError
+from fedshard_lightning.errors import CacheError, ConfigError, FedShardError, UnlearningRequestError
 from fedshard_lightning.module import FederatedModule
 from fedshard_lightning.unlearning.base import Algorithm
 
@@ -644,6 +645,12 @@ class FederatedTrainer:
             clients: Client ids to unlearn, e.g. ``[3, 17]``.
         """
         self.enable_progress_bar = False
+        with _run_lock(self._existing_run_dir(ckpt_path, "unlearn")):
+            return self._unlearn(model, datamodule, ckpt_path, clients)
+
+    def _unlearn(
+        self, model: FederatedModule, datamodule: FederatedDataModule, ckpt_path: str, clients: list[int]
+    ) -> dict[str, Any]:
         self._load_run(model, datamodule, ckpt_path, "unlearn")
         ids = self._validate_clients(clients)
         done = set(self.algorithm.unlearned)
@@ -743,3 +750,34 @@ class FederatedTrainer:
         if not result["passed"]:
             raise SystemExit(1)
         return result
+
+
+@contextlib.contextmanager
+def _run_lock(run_dir: Path):
+    """Hold an exclusive lock on the run directory while a request reads and commits it.
+
+    Two ``unlearn`` processes on one run would each read the same version and the later commit
+    would drop the other's request; the second one now stops at once with a one-line error.
+    The lock is ``flock`` on the directory itself (no file is created), taken by the launching
+    process only (DDP workers have ``LOCAL_RANK`` or ``RANK`` > 0), and released on exit, even by a kill.
+    """
+    rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) or 0)
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock
+        fcntl = None
+    if rank != 0 or fcntl is None:
+        yield
+        return
+    fd = os.open(run_dir, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise FedShardError(
+                f"ckpt_path={run_dir}: another process is unlearning from this run now; "
+                "wait for it to finish, then run this request again"
+            ) from None
+        yield
+    finally:
+        os.close(fd)
