@@ -28,7 +28,15 @@ import torch.nn.functional as F
 from torch import Tensor, fx, nn
 from torch.func import functional_call, vmap
 
-__all__ = ["ConvMode", "StackedProgram", "Unsupported", "probe_params", "stacked_conv2d", "stacked_linear"]
+__all__ = [
+    "ConvMode",
+    "StackedProgram",
+    "Unsupported",
+    "probe_params",
+    "require_close",
+    "stacked_conv2d",
+    "stacked_linear",
+]
 
 ConvMode = Literal["grouped", "per_client"]
 
@@ -325,10 +333,23 @@ class StackedProgram:
             g_want = torch.autograd.grad(want.sum(), list(params.values()))
             got = self(params, x, y)
             g_got = torch.autograd.grad(got.sum(), list(params.values()))
-        for label, a, b in [("loss", got, want), *zip(names, g_got, g_want)]:
-            tol = rtol * float(b.detach().abs().max().clamp_min(1e-12))
-            if a.shape != b.shape or not bool(((a - b).detach().abs() <= tol).all()):
-                raise Unsupported(f"the stacked rewrite of per_sample_loss disagrees with vmap on {label}")
+        require_close(
+            [("loss", got, want), *zip(names, g_got, g_want)],
+            rtol,
+            "the stacked rewrite of per_sample_loss disagrees with vmap",
+        )
+
+
+def require_close(pairs: Sequence[tuple[str, Tensor, Tensor]], rtol: float, what: str) -> None:
+    """Raise :class:`Unsupported` (``what on <label>``) unless every ``got`` is close to its ``want``.
+
+    Tolerance: ``rtol`` times the largest magnitude of ``want``, so tiny entries do not dominate.
+    """
+    for label, got, want in pairs:
+        got, want = got.detach(), want.detach()
+        tol = rtol * float(want.abs().max().clamp_min(1e-12))
+        if got.shape != want.shape or not bool(((got - want).abs() <= tol).all()):
+            raise Unsupported(f"{what} on {label}")
 
 
 def probe_params(module: nn.Module, names: Sequence[str], c: int) -> dict[str, Tensor]:
