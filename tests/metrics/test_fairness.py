@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from fedshard_lightning.metrics import (
@@ -229,6 +229,10 @@ def test_performance_is_four_when_degradation_is_affine_in_distance(inputs, scal
     """The minimum of f is at x~ == y~: a drop proportional to uniqueness is perfectly fair."""
     _, alphas, leaving = inputs
     y = client_distances(t64(alphas), tbool(leaving))
+    spread = float(y.max() - y.min())
+    # x~ equals y~ up to eps1 (1e-12) over the drops' range: the property is exact only when that
+    # range dwarfs eps1 (hypothesis found scale 2**-8 times a 6e-8 spread: off by 3e-6).
+    assume(spread == 0.0 or scale * spread >= 1e-4)
     value = performance_fairness(scale * y + shift, t64(alphas), tbool(leaving))
     assert float(value) == pytest.approx(4.0, abs=1e-6)
 
