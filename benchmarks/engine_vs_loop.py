@@ -6,6 +6,7 @@ table reports medians and the stacked/loop ratio.
 
     python benchmarks/engine_vs_loop.py                   # digits MLP and MNIST-shaped CNN, 64 clients
     python benchmarks/engine_vs_loop.py --suite full      # the issue-7 grid
+    python benchmarks/engine_vs_loop.py --suite gpu --device cuda   # the issue-19 grid on a GPU
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ import torch
 
 from fedshard_lightning.data import DigitsDataModule, SyntheticDataModule
 from fedshard_lightning.engine import FederatedEngine, Group, LocalSchedule, stack_params
-from fedshard_lightning.models import MLP, FedAvgCNN
+from fedshard_lightning.models import MLP, FedAvgCNN, ResNetGN
+
+WORKLOADS = ("digits-mlp", "mnist-2nn", "mnist-cnn", "cifar-cnn", "cifar-resnetgn")
 
 
-def workload(name: str, clients: int):
+def workload(name: str, clients: int, device: str = "cpu"):
     if name == "digits-mlp":
         dm = DigitsDataModule(num_clients=clients, partition="iid")
         model = MLP(hidden=(64, 64), lr=0.05)
@@ -40,32 +43,70 @@ def workload(name: str, clients: int):
             num_clients=clients, partition="iid", num_samples=50 * clients, shape=(3, 32, 32), as_uint8=True
         )
         model = FedAvgCNN(lr=0.05)
+    elif name == "cifar-resnetgn":  # configs/cifar100.yaml's model on CIFAR-100-shaped data
+        dm = SyntheticDataModule(
+            num_clients=clients,
+            partition="iid",
+            num_samples=50 * clients,
+            shape=(3, 32, 32),
+            num_classes_=100,
+            as_uint8=True,
+        )
+        model = ResNetGN(depth=20, width=16, groups=4, lr=0.05)
     else:
         raise ValueError(name)
     dm.setup()
     torch.manual_seed(0)
     model.bind_data(dm.input_shape, dm.num_classes)
-    return model, dm
+    return model.to(device), dm.to(device)
 
 
-def time_mode(model, dm, mode: str, batch: int, rounds: int, repeats: int) -> tuple[float, int, str, str]:
+def sync(device: str) -> None:
+    """Wait for queued GPU work, so wall-clock timings cover it."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def time_mode(
+    model,
+    dm,
+    mode: str,
+    batch: int,
+    rounds: int,
+    repeats: int,
+    device: str = "cpu",
+    budget_mb: float = 2048.0,
+) -> tuple[float, int, str, str]:
     """Median seconds of ``rounds`` rounds, client-updates, the mode run and the stacked kernel."""
-    eng = FederatedEngine(model, dm, LocalSchedule(batch_size=batch), vectorize=mode)
+    eng = FederatedEngine(
+        model, dm, LocalSchedule(batch_size=batch), vectorize=mode, memory_budget_mb=budget_mb
+    )
     k = len(dm.client_indices)
     init = stack_params([eng.module_params()])
     groups = [Group(0, tuple(range(k)), rounds)]
     eng.train_groups(init, [Group(0, tuple(range(k)), 1)])  # warm-up
+    sync(device)
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
         eng.train_groups(init, groups)
+        sync(device)
         times.append(time.perf_counter() - t)
     return statistics.median(times), k * rounds, eng.mode, eng.local.program_status or "-"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--suite", choices=["issue2", "full"], default="issue2")
+    ap.add_argument("--suite", choices=["issue2", "full", "gpu"], default="issue2")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--workloads", nargs="*", choices=WORKLOADS, help="restrict the suite to these")
+    ap.add_argument("--clients", nargs="*", type=int, help="restrict the suite to these K")
+    ap.add_argument(
+        "--memory-budget-mb",
+        type=float,
+        default=2048.0,
+        help="the engine's chunk budget (trainer default 2048)",
+    )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
@@ -85,18 +126,34 @@ def main() -> None:
             ]
             for b in (10, 50)
         ]
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, medians of {args.repeats}")
+    elif args.suite == "gpu":
+        grid = [
+            (name, k, 10)
+            for name in ("digits-mlp", "mnist-2nn", "cifar-cnn", "cifar-resnetgn")
+            for k in (64, 256)
+        ]
+    grid = [
+        g
+        for g in grid
+        if (not args.workloads or g[0] in args.workloads) and (not args.clients or g[1] in args.clients)
+    ]
+    dev = f", device {torch.cuda.get_device_name()}" if args.device.startswith("cuda") else ""
     print(
-        f"{'workload':<12} {'K':>5} {'B':>4} {'loop upd/s':>11} {'stacked upd/s':>14} {'ratio':>7} {'auto picks':>11}  kernel"
+        f"torch {torch.__version__}, threads {torch.get_num_threads()}{dev}, medians of {args.repeats}, "
+        f"chunk budget {args.memory_budget_mb:.0f} MB"
+    )
+    print(
+        f"{'workload':<14} {'K':>5} {'B':>4} {'loop upd/s':>11} {'stacked upd/s':>14} {'ratio':>7} {'auto picks':>11}  kernel"
     )
     for name, k, b in grid:
-        model, dm = workload(name, k)
+        model, dm = workload(name, k, args.device)
         rounds = args.rounds if "mlp" in name or "2nn" in name else 1
-        t_loop, n, _, _ = time_mode(model, dm, "never", b, rounds, args.repeats)
-        t_stack, _, _, kernel = time_mode(model, dm, "always", b, rounds, args.repeats)
-        _, _, picked, _ = time_mode(model, dm, "auto", b, 1, 1)
+        kw = dict(device=args.device, budget_mb=args.memory_budget_mb)
+        t_loop, n, _, _ = time_mode(model, dm, "never", b, rounds, args.repeats, **kw)
+        t_stack, _, _, kernel = time_mode(model, dm, "always", b, rounds, args.repeats, **kw)
+        _, _, picked, _ = time_mode(model, dm, "auto", b, 1, 1, **kw)
         print(
-            f"{name:<12} {k:>5} {b:>4} {n / t_loop:>11.1f} {n / t_stack:>14.1f} {t_loop / t_stack:>6.2f}x {picked:>11}  {kernel}",
+            f"{name:<14} {k:>5} {b:>4} {n / t_loop:>11.1f} {n / t_stack:>14.1f} {t_loop / t_stack:>6.2f}x {picked:>11}  {kernel}",
             flush=True,
         )
 

@@ -171,13 +171,21 @@ class FederatedDataModule(L.LightningDataModule):
         if scale != 1.0:
             out = out / scale
         if self.mean is not None:
-            mean = torch.as_tensor(self.mean, dtype=dtype, device=x.device)
-            std = torch.as_tensor(self.std if self.std is not None else 1.0, dtype=dtype, device=x.device)
-            sample_dims = len(self.train_x.shape) - 1
-            if mean.ndim == 1 and sample_dims == 3:  # per-channel on [.., C, H, W]
-                mean, std = mean[:, None, None], std[:, None, None]
+            mean, std = self._norm_tensors(dtype, x.device)
             out = (out - mean) / std
         return out
+
+    def _norm_tensors(self, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
+        """Mean and std as tensors, made once per dtype and device (no host copy per training step)."""
+        cache = self.__dict__.setdefault("_norm_cache", {})
+        key = (dtype, str(device), repr(self.mean), repr(self.std))
+        if key not in cache:
+            mean = torch.as_tensor(self.mean, dtype=dtype, device=device)
+            std = torch.as_tensor(self.std if self.std is not None else 1.0, dtype=dtype, device=device)
+            if mean.ndim == 1 and len(self.train_x.shape) - 1 == 3:  # per-channel on [.., C, H, W]
+                mean, std = mean[:, None, None], std[:, None, None]
+            cache[key] = (mean, std)
+        return cache[key]
 
     def gather(self, indices: Tensor, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
         """Training samples and labels at ``indices`` (any shape), normalised."""

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from fedshard_lightning.data.base import FederatedDataModule
+from fedshard_lightning.engine.aggregate import GroupSums
 from fedshard_lightning.engine.allocator import retain_freed_memory
 from fedshard_lightning.engine.keys import sample_participants
 from fedshard_lightning.engine.local import ClientBatch, LocalResult, LocalTrainer
@@ -99,6 +100,8 @@ class FederatedEngine:
             this model and device, keep the faster).
         max_chunk_clients: Clients trained together at most; ``None`` derives it from the budget.
         memory_budget_mb: Memory the stacked clients of one chunk may use (an estimate).
+        batch_invariant: Compute every client with the same kernel shapes whoever shares its
+            chunk (see :meth:`invariant_block`), so float32 unlearning replays bit for bit.
     """
 
     def __init__(
@@ -111,6 +114,7 @@ class FederatedEngine:
         vectorize: Vectorize = "auto",
         max_chunk_clients: int | None = None,
         memory_budget_mb: float = 2048.0,
+        batch_invariant: bool = True,
     ) -> None:
         if not 0 < client_fraction <= 1:
             raise ConfigError(f"client_fraction={client_fraction}: must be in (0, 1]")
@@ -126,6 +130,7 @@ class FederatedEngine:
         self.seed = int(seed)
         self.client_fraction = float(client_fraction)
         self.vectorize = vectorize
+        self.batch_invariant = bool(batch_invariant)
         self.names = [n for n, p in module.named_parameters() if p.requires_grad]
         self.spec = optimizer_spec(module, self.names)
         self.local = LocalTrainer(module, datamodule, schedule, self.spec, self.names, self.seed)
@@ -172,9 +177,48 @@ class FederatedEngine:
     def _run_local(self, state: dict[str, Tensor], rows: Tensor, batch: ClientBatch) -> LocalResult:
         if self._mode is None:
             self._mode = self._probe({k: v.index_select(0, rows) for k, v in state.items()}, batch)
-        if self._mode == "stacked":
+        if self._mode == "loop":
+            return self.local.train_loop(state, batch, rows)
+        q = self.invariant_block()
+        if q is None:
             return self.local.train_stacked(state, batch, rows)
-        return self.local.train_loop(state, batch, rows)
+        parts = []
+        for lo in range(0, len(batch.clients), q):
+            cl, gr, rw = batch.clients[lo : lo + q], batch.groups[lo : lo + q], rows[lo : lo + q]
+            real = len(cl)
+            if real < q:  # inert copies of the last client keep the shape; their results are dropped
+                pad = q - real
+                cl, gr = cl + [cl[-1]] * pad, gr + [gr[-1]] * pad
+                rw = torch.cat([rw, rw[-1:].expand(pad)])
+            res = self.local.train_stacked(
+                state, ClientBatch(cl, gr, batch.stage, batch.round), rw, fixed=True
+            )
+            parts.append((res, real))
+        if len(parts) == 1 and parts[0][1] == q:
+            return parts[0][0]
+        return LocalResult(
+            {k: torch.cat([r.params[k][:n] for r, n in parts]) for k in self.names},
+            np.concatenate([r.steps[:n] for r, n in parts]),
+            torch.cat([r.loss_sum[:n] for r, n in parts]),
+        )
+
+    def invariant_block(self) -> int | None:
+        """Clients per fixed-shape stacked call, or None where the stacked kernels need none.
+
+        On the CPU the hand-written and fx kernels compute each client with its own GEMMs and
+        convolutions, whose results do not depend on the other clients (tested); ``vmap``'s
+        grouped kernels and every CUDA kernel may choose another algorithm for another number of
+        clients, so there each call has exactly this many clients (padded with inert copies),
+        also when the memory budget's chunk is smaller.
+        """
+        if not self.batch_invariant:
+            return None
+        self.local.program()
+        cuda = next(self.module.parameters()).device.type == "cuda"
+        status = self.local.program_status or ""
+        if not cuda and status.startswith("fx") and self.local.conv_mode == "per_client":
+            return None
+        return 64 if cuda else 8  # constant: a block that followed the chunk size would vary with it
 
     def _probe(self, start: dict[str, Tensor], batch: ClientBatch) -> str:
         """Time two local steps per client both ways (results discarded); keep the cheaper.
@@ -261,7 +305,10 @@ class FederatedEngine:
             parts = [self.participants(stage, groups[i], r) for i in active]
             clients = [c for p in parts for c in p]
             owner = [i for i, p in zip(active, parts) for _ in p]
-            acc = {k: torch.zeros_like(v) for k, v in state.items()}
+            counts = [0] * G
+            for i, p in zip(active, parts):
+                counts[i] = len(p)
+            sums = GroupSums(state, counts)
             weight = torch.zeros(G, dtype=torch.float64)
             loss_sum = torch.zeros(G, dtype=torch.float64)
             step_count = np.zeros(G, dtype=np.int64)
@@ -272,26 +319,19 @@ class FederatedEngine:
                 res = self._run_local(state, own_t, ClientBatch(cl, [groups[i].key for i in ow], stage, r))
                 self._check_finite(res, cl, ow, groups, stage, r)
                 n = torch.as_tensor(self.sizes[cl], dtype=state[self.names[0]].dtype, device=own_t.device)
-                single = ow[0] if ow.count(ow[0]) == len(ow) else None
-                for k in acc:
-                    if single is not None:  # one group: the weighted sum is one pass (GEMV) over the rows
-                        acc[k][single] += (n @ res.params[k].reshape(len(cl), -1)).view(acc[k].shape[1:])
-                        continue
-                    w = n.view(-1, *([1] * (res.params[k].ndim - 1)))
-                    # The local results are fresh tensors: weight them in place unless they are kept.
-                    acc[k].index_add_(
-                        0, own_t, res.params[k] * w if keep_client_params else res.params[k].mul_(w)
-                    )
-                weight.index_add_(0, own_t.cpu(), n.cpu().double())
-                loss_sum.index_add_(0, own_t.cpu(), res.loss_sum.detach().cpu().double())
+                sums.add(res.params, n, ow)
+                own_cpu = torch.as_tensor(ow)
+                weight.index_add_(0, own_cpu, torch.as_tensor(self.sizes[cl], dtype=torch.float64))
+                loss_sum.index_add_(0, own_cpu, res.loss_sum.detach().cpu().double())
                 np.add.at(step_count, ow, res.steps)
                 if keep_client_params:
                     kept.append(res)
             before = {k: v.clone() for k, v in state.items()} if keep_client_params else None
             act_t = torch.as_tensor(active, device=next(iter(state.values())).device)
+            total = sums.totals()
             for k in state:
                 wk = weight[active].to(state[k]).view(-1, *([1] * (state[k].ndim - 1)))
-                state[k].index_copy_(0, act_t, acc[k].index_select(0, act_t) / wk)
+                state[k].index_copy_(0, act_t, total[k].index_select(0, act_t) / wk)
             steps_this = int(step_count.sum())
             for i in active:
                 rounds_run[i] += 1

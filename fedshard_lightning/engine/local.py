@@ -180,7 +180,7 @@ class LocalTrainer:
         with torch.enable_grad():
             if prog is not None:
                 per = prog({k[len(_PREFIX) :]: v for k, v in leaves.items()}, x, y)
-                losses = per.mean(1) if mask is None else (per * mask).sum(1) / mask.sum(1)
+                losses = per.mean(1) if mask is None else (per * mask).sum(1) / mask.sum(1).clamp_min(1)
             else:
                 losses = self._fwd(leaves, buffers, x, y)
             grads = torch.autograd.grad(losses.sum(), list(leaves.values()))
@@ -197,7 +197,11 @@ class LocalTrainer:
 
     # -- stacked ---------------------------------------------------------------------------------
     def train_stacked(
-        self, start: dict[str, Tensor], batch: ClientBatch, rows: Tensor | None = None
+        self,
+        start: dict[str, Tensor],
+        batch: ClientBatch,
+        rows: Tensor | None = None,
+        fixed: bool = False,
     ) -> LocalResult:
         """All clients of ``batch`` at once; equal to :meth:`train_loop`.
 
@@ -205,6 +209,11 @@ class LocalTrainer:
             start: Starting parameters, one row per client, or per group when ``rows`` is given.
             batch: The clients.
             rows: Row of ``start`` each client starts from (saves expanding group models).
+            fixed: Keep every kernel's shape fixed for the whole call: finished clients are copied
+                out but stay in the stacked tensors (their later updates are discarded), and a
+                partial batch is computed for all rows at its size. Kernels whose numerics depend
+                on the batch of clients (cuBLAS, cuDNN, grouped convolutions under vmap) then give
+                a client the same bits whatever its neighbours.
         """
         gidx, gsz, steps = self.schedules(batch)
         m_all = len(batch.clients)
@@ -225,21 +234,31 @@ class LocalTrainer:
         opt = self.spec.build(leaves, _PREFIX)
         loss_sum = torch.zeros(m_all, dtype=self.dtype, device=device)
         steps_sorted = steps[order]
-        m = m_all
+        # Per-step sample weights and batch sizes go to the device once per round, not per step.
+        size_t = torch.as_tensor(gsz, device=device)
+        weight_all = None
+        if chain is not None:
+            w = (np.arange(b) < gsz[:, :, None]) / np.maximum(gsz, 1)[:, :, None]
+            weight_all = torch.as_tensor(w, dtype=self.dtype, device=device)
+        m = live = m_all
         self.module._in_federated_step = True
         try:
             for s in range(s_max):
                 m_s = int((steps_sorted > s).sum())
-                if m_s < m:
+                if fixed:
+                    if m_s < live:
+                        self._retire(out, leaves, order_t, m_s, live)
+                        live = m_s
+                elif m_s < m:
                     self._retire(out, leaves, order_t, m_s, m)
                     new = {k: v.detach()[:m_s].requires_grad_() for k, v in leaves.items()}
                     shrink_optimizer(opt, list(leaves.values()), list(new.values()), m_s)
                     leaves, m = new, m_s
+                    live = m
                 sizes = gsz[s, :m]
                 if chain is not None:
                     x, y = self.dm.gather(gidx_t[s, :m], self.dtype)
-                    weight = (np.arange(b) < sizes[:, None]) / sizes[:, None]
-                    weight_t = torch.as_tensor(weight, dtype=self.dtype, device=device)
+                    weight_t = weight_all[s, :m]
                     named = {k[len(_PREFIX) :]: v for k, v in leaves.items()}
                     losses, by_name = chain.step(named, x, y, weight_t, fused)
                     loss_sum[:m] += losses
@@ -252,11 +271,20 @@ class LocalTrainer:
                     loss_sum[:m] += losses
                 elif self._program is not None:  # per-sample ops only: pad and mask
                     x, y = self.dm.gather(gidx_t[s, :m], self.dtype)
-                    mask = (
-                        torch.arange(b, device=device) < torch.as_tensor(sizes, device=device)[:, None]
-                    ).to(self.dtype)
+                    mask = (torch.arange(b, device=device) < size_t[s, :m, None]).to(self.dtype)
                     grads, losses = self._grad(leaves, buffers, x, y, mask)
                     loss_sum[:m] += losses
+                elif fixed:  # every distinct batch size for all rows, kept where it is the row's own
+                    grads = {k: torch.zeros_like(v) for k, v in leaves.items()}
+                    for size in np.unique(sizes[sizes > 0]):
+                        x, y = self.dm.gather(gidx_t[s, :m, :size], self.dtype)
+                        g_all, l_all = self._grad(leaves, buffers, x, y)
+                        own = size_t[s, :m] == int(size)
+                        for k in grads:
+                            grads[k] = torch.where(
+                                own.view(-1, *[1] * (grads[k].ndim - 1)), g_all[k], grads[k]
+                            )
+                        loss_sum[:m] += torch.where(own, l_all, torch.zeros_like(l_all))
                 else:
                     grads = {k: torch.zeros_like(v) for k, v in leaves.items()}
                     for size in np.unique(sizes):
@@ -274,10 +302,10 @@ class LocalTrainer:
                     v.grad = None
         finally:
             self.module._in_federated_step = False
-        if m == m_all and bool((order == np.arange(m_all)).all()):
+        if live == m_all and bool((order == np.arange(m_all)).all()):
             out = {k[len(_PREFIX) :]: v.detach() for k, v in leaves.items()}  # nobody retired early
         else:
-            self._retire(out, leaves, order_t, 0, m)
+            self._retire(out, leaves, order_t, 0, live)
         inv = torch.empty_like(order_t)
         inv[order_t] = torch.arange(m_all, device=device)
         return LocalResult(out, steps, loss_sum.index_select(0, inv))

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from fedshard_lightning.cache import FLCache
 from fedshard_lightning.engine import Group, RoundInfo, TrainResult
+from fedshard_lightning.engine.aggregate import mix_rows
 from fedshard_lightning.errors import CacheError, ConfigError
 from fedshard_lightning.sharding import (
     A1Merge,
@@ -210,18 +211,12 @@ class FedShard(Algorithm):
         n = len(records)
         if stage == 1:
             return {k: v.unsqueeze(0).expand(n, *v.shape).clone() for k, v in self.theta0.items()}
-        dev = next(iter(prev.values())).device
-        w = torch.zeros(n, len(prev_records), dtype=torch.float64, device=dev)
-        for i, rec in enumerate(records):
-            for ch in rec.children:
-                if not prev_records[ch].empty:
-                    w[i, ch] = prev_records[ch].weight
-        w = w / w.sum(1, keepdim=True).clamp_min(1e-300)
-        out = {}
-        for k, v in prev.items():
-            flat = v.reshape(v.shape[0], -1)
-            out[k] = (w.to(flat.dtype) @ flat).reshape(n, *v.shape[1:])
-        return out
+        mixes = []
+        for rec in records:
+            live = [ch for ch in rec.children if not prev_records[ch].empty]
+            total = sum(prev_records[ch].weight for ch in live)
+            mixes.append([(ch, prev_records[ch].weight / max(total, 1e-300)) for ch in live])
+        return mix_rows(prev, mixes)
 
     def _train_stage(
         self, stage: int, init: dict[str, Tensor], groups: list[Group], report: bool
