@@ -19,6 +19,7 @@ import torch
 
 from fedshard_lightning.data import DigitsDataModule, SyntheticDataModule
 from fedshard_lightning.engine import FederatedEngine, Group, LocalSchedule, stack_params
+from fedshard_lightning.engine.allocator import configure_process
 from fedshard_lightning.models import MLP, FedAvgCNN, ResNetGN
 
 WORKLOADS = ("digits-mlp", "mnist-2nn", "mnist-cnn", "cifar-cnn", "cifar-resnetgn")
@@ -58,6 +59,7 @@ def workload(name: str, clients: int, device: str = "cpu"):
     dm.setup()
     torch.manual_seed(0)
     model.bind_data(dm.input_shape, dm.num_classes)
+    configure_process(device)  # what the trainer does at launch
     return model.to(device), dm.to(device)
 
 

@@ -41,6 +41,7 @@ from fedshard_lightning.cache import (
 from fedshard_lightning.callbacks import FederatedCallback, FLCacheCheckpoint, MetricsLogger, ProgressBar
 from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.engine import FederatedEngine, Group, LocalSchedule, RoundInfo, evaluate
+from fedshard_lightning.engine.allocator import configure_process
 from fedshard_lightning.errors import CacheError, ConfigError, FedShardError, UnlearningRequestError
 from fedshard_lightning.module import FederatedModule
 from fedshard_lightning.unlearning.base import Algorithm
@@ -294,6 +295,7 @@ class FederatedTrainer:
                 f"trainer.strategy={self.strategy!r}, trainer.precision={self.precision!r}: {e}"
             ) from None
         self.fabric.launch()
+        configure_process(self.fabric.device)
 
     def _default_callbacks(self) -> list[FederatedCallback]:
         user_types = {type(c) for c in self.user_callbacks}

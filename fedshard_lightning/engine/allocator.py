@@ -14,7 +14,7 @@ import ctypes
 import ctypes.util
 import os
 
-__all__ = ["retain_freed_memory"]
+__all__ = ["configure_process", "retain_freed_memory"]
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -40,3 +40,13 @@ def retain_freed_memory(mmap_threshold: int = 256 << 20, trim_threshold: int = 1
     ok_trim = mallopt(_M_TRIM_THRESHOLD, trim_threshold)
     _done = bool(ok_mmap and ok_trim)
     return _done
+
+
+def configure_process(device: str | object) -> None:
+    """Process-wide settings for training on ``device``, applied once at start-up.
+
+    The trainer calls this when it launches (benchmarks that build engines directly call it too);
+    constructing an engine changes nothing outside itself. CUDA keeps its own caching allocator.
+    """
+    if str(device).split(":")[0] == "cpu":
+        retain_freed_memory()

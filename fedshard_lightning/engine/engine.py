@@ -9,6 +9,7 @@ each group averages its participants weighted by their sample counts.
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -21,10 +22,9 @@ from torch import Tensor, nn
 
 from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.engine.aggregate import GroupSums
-from fedshard_lightning.engine.allocator import retain_freed_memory
-from fedshard_lightning.engine.keys import sample_participants
-from fedshard_lightning.engine.local import ClientBatch, LocalResult, LocalTrainer
+from fedshard_lightning.engine.local import ClientBatch, Kernel, LocalResult, LocalTrainer
 from fedshard_lightning.engine.optim import OptimizerSpec, optimizer_spec
+from fedshard_lightning.engine.participants import KeyedSampling, ParticipantPolicy
 from fedshard_lightning.engine.schedule import LocalSchedule
 from fedshard_lightning.errors import ConfigError, NonFiniteLossError
 
@@ -123,8 +123,6 @@ class FederatedEngine:
         if max_chunk_clients is not None and max_chunk_clients < 1:
             raise ConfigError(f"max_chunk_clients={max_chunk_clients}: must be >= 1 or null")
         self.module = module
-        if next(module.parameters()).device.type == "cpu":
-            retain_freed_memory()
         self.dm = datamodule
         self.schedule = schedule
         self.seed = int(seed)
@@ -137,19 +135,34 @@ class FederatedEngine:
         self.sizes = np.asarray(datamodule.client_sizes, dtype=np.int64)
         self._mode: str | None = {"always": "stacked", "never": "loop"}.get(vectorize)
         self.chunk = max_chunk_clients or self._chunk_from_budget(memory_budget_mb)
-        self.participants_fn: Callable[[int, Group, int], list[int]] | None = None
+        self.policy: ParticipantPolicy = KeyedSampling(self.client_fraction, self.seed)
 
     # -- parameters ------------------------------------------------------------------------------
     def with_optimizer(self, spec: OptimizerSpec) -> FederatedEngine:
-        """This engine with another client optimizer (e.g. a preconditioned one for unlearning).
+        """A new engine like this one with another client optimizer (e.g. a preconditioned one).
 
-        Both paths use ``spec``: the stacked one over the stacked leaves, the per-client loop over
-        the worker module's parameters (instead of the model's ``configure_optimizers``).
+        Both paths of the new engine use ``spec``: the stacked one over the stacked leaves, the
+        per-client loop over the worker module's parameters (instead of the model's
+        ``configure_optimizers``). This engine is unchanged; the built kernels are shared.
         """
-        self.spec = spec
-        self.local.spec = spec
-        self.local.loop_uses_spec = True
-        return self
+        new = copy.copy(self)
+        new.local = copy.copy(self.local)
+        new.spec = new.local.spec = spec
+        new.local.loop_uses_spec = True
+        return new
+
+    def with_participants(self, policy: ParticipantPolicy) -> FederatedEngine:
+        """A new engine like this one whose rounds take ``policy``'s participants (e.g. FATS)."""
+        if not isinstance(policy, ParticipantPolicy):
+            raise ConfigError(f"participants policy {policy!r}: must be callable (stage, group, round)")
+        new = copy.copy(self)
+        new.policy = policy
+        return new
+
+    @property
+    def samples_everyone(self) -> bool:
+        """Every client of a group takes part in every round (costs follow from sizes alone)."""
+        return isinstance(self.policy, KeyedSampling) and self.policy.everyone
 
     def module_params(self) -> dict[str, Tensor]:
         """The module's current trainable parameters (detached copies)."""
@@ -168,10 +181,8 @@ class FederatedEngine:
         return int(sum(self.schedule.num_steps(int(self.sizes[c])) for c in clients))
 
     def participants(self, stage: int, group: Group, round_: int) -> list[int]:
-        """Keyed per-round sample of a group's clients (overridable by ``participants_fn``)."""
-        if self.participants_fn is not None:
-            return self.participants_fn(stage, group, round_)
-        return sample_participants(group.clients, self.client_fraction, self.seed, stage, group.key, round_)
+        """This round's participants of ``group``, from the engine's participant policy."""
+        return self.policy(stage, group, round_)
 
     # -- local training --------------------------------------------------------------------------
     def _run_local(self, state: dict[str, Tensor], rows: Tensor, batch: ClientBatch) -> LocalResult:
@@ -215,8 +226,8 @@ class FederatedEngine:
             return None
         self.local.program()
         cuda = next(self.module.parameters()).device.type == "cuda"
-        status = self.local.program_status or ""
-        if not cuda and status.startswith("fx") and self.local.conv_mode == "per_client":
+        fx = self.local.kernel_choice.kernel in (Kernel.CHAIN, Kernel.FX)
+        if not cuda and fx and self.local.conv_mode == "per_client":
             return None
         return 64 if cuda else 8  # constant: a block that followed the chunk size would vary with it
 

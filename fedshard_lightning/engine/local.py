@@ -16,6 +16,7 @@ per distinct batch size at that step.
 from __future__ import annotations
 
 import copy
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,7 +32,7 @@ from fedshard_lightning.engine.schedule import LocalSchedule
 from fedshard_lightning.engine.stacked import ConvMode, StackedProgram, Unsupported, probe_params
 from fedshard_lightning.module import FederatedModule
 
-__all__ = ["ClientBatch", "LocalTrainer"]
+__all__ = ["ClientBatch", "Kernel", "KernelChoice", "LocalTrainer"]
 
 _PREFIX = "m."
 
@@ -45,6 +46,25 @@ class _StepCaller(nn.Module):
 
     def forward(self, x: Tensor, y: Tensor) -> Tensor:
         return self.m.training_step((x, y), 0)
+
+
+class Kernel(enum.Enum):
+    """The stacked kernel family in use, fastest first."""
+
+    CHAIN = "fx+chain"  # hand-written forward and backward (engine/chain.py)
+    FX = "fx"  # the fx rewrite of per_sample_loss, autograd backward (engine/stacked.py)
+    VMAP = "vmap"  # torch.func.vmap of the user's training_step
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """Which stacked kernel runs, and why not a faster one (empty for the fastest)."""
+
+    kernel: Kernel
+    reason: str = ""
+
+    def __str__(self) -> str:
+        return self.kernel.value + (f" ({self.reason})" if self.reason else "")
 
 
 @dataclass
@@ -100,7 +120,7 @@ class LocalTrainer:
         )
         self._program: StackedProgram | None = None
         self._chain: StackedChain | None = None
-        self.program_status: str | None = None  # "fx", "fx+chain", or "vmap: <why>"
+        self.kernel_choice: KernelChoice | None = None  # decided on first use
         self.loop_uses_spec = False
         own = [ix.cpu().numpy().astype(np.int64) for ix in datamodule.client_indices]
         self._client_len = np.array([len(o) for o in own], dtype=np.int64)
@@ -116,28 +136,33 @@ class LocalTrainer:
     ) -> Tensor:
         return functional_call(self._caller, (params, buffers), (x, y))
 
+    @property
+    def program_status(self) -> str | None:
+        """The kernel choice as text, for logs and benchmark tables."""
+        return None if self.kernel_choice is None else str(self.kernel_choice)
+
     def program(self) -> StackedProgram | None:
         """The vmap-free rewrite of the model's loss, built and checked once (None: keep vmap)."""
-        if self.program_status is None:
-            self.program_status = "vmap: chosen"
+        if self.kernel_choice is None:
+            self.kernel_choice = KernelChoice(Kernel.VMAP, "chosen")
             if self.kernel != "vmap" and self.maskable:
                 sample = self._check_sample()
                 try:
                     self._program = StackedProgram.build(self.module, self.names, self.conv_mode)
                     self._program.check(self.module, *sample, self.names)
-                    self.program_status = "fx"
+                    self.kernel_choice = KernelChoice(Kernel.FX)
                 except Unsupported as err:
-                    self._program, self.program_status = None, f"vmap: {err}"
+                    self._program, self.kernel_choice = None, KernelChoice(Kernel.VMAP, str(err))
                 if self._program is not None and self.kernel == "auto":
                     try:
                         chain = StackedChain.from_program(self._program, self.conv_mode)
                         params = probe_params(self.module, self.names, sample[0].shape[0])
                         chain.check(self._program, params, *sample)
-                        self._chain, self.program_status = chain, "fx+chain"
+                        self._chain, self.kernel_choice = chain, KernelChoice(Kernel.CHAIN)
                     except Unsupported as err:
-                        self._chain, self.program_status = None, f"fx (no chain: {err})"
+                        self._chain, self.kernel_choice = None, KernelChoice(Kernel.FX, f"no chain: {err}")
             elif self.kernel != "vmap":
-                self.program_status = "vmap: training_step is overridden"
+                self.kernel_choice = KernelChoice(Kernel.VMAP, "training_step is overridden")
         return self._program
 
     def _fused_sgd_lr(self) -> dict[str, float] | None:

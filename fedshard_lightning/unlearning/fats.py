@@ -80,7 +80,7 @@ class FATS(FedAvg):
     def attach(self, trainer: Any) -> None:
         """Build the engine and make it sample with :meth:`sample`."""
         super().attach(trainer)
-        self.engine.participants_fn = self._participants
+        self.engine = self.engine.with_participants(self._participants)
 
     # -- sampling ---------------------------------------------------------------------------------
     def sample(self, round_: int, population: Sequence[int]) -> list[int]:

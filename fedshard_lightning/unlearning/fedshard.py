@@ -322,7 +322,7 @@ class FedShard(Algorithm):
     def _shard_cost(self, stage: int, index: int, remaining: Sequence[int], rounds: int) -> int:
         if not remaining:
             return 0
-        if self.client_fraction >= 1.0 and self.engine.participants_fn is None:
+        if self.engine.samples_everyone:
             # Every client takes part in every round (SPEC section 3): no per-round sample to draw.
             return rounds * sum(self._steps[c] for c in remaining)
         group = Group(index, tuple(remaining), rounds)

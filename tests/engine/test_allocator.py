@@ -26,3 +26,23 @@ def test_applied_once_on_glibc():
 
 def test_environment_variable_leaves_malloc_alone():
     assert _run({"FEDSHARD_KEEP_MALLOC": "1"}) == "False False"
+
+
+def test_building_an_engine_changes_no_process_setting():
+    code = (
+        "import torch\n"
+        "from fedshard_lightning.data import SyntheticDataModule\n"
+        "from fedshard_lightning.engine import FederatedEngine, LocalSchedule\n"
+        "from fedshard_lightning.engine import allocator\n"
+        "from fedshard_lightning.models import MLP\n"
+        "dm = SyntheticDataModule(num_clients=2, partition='iid', num_samples=20, shape=(4,)); dm.setup()\n"
+        "m = MLP(hidden=(4,)); m.bind_data(dm.input_shape, dm.num_classes)\n"
+        "FederatedEngine(m, dm, LocalSchedule(batch_size=5))\n"
+        "print(allocator._done)\n"
+        "allocator.configure_process('cpu')\n"
+        "print(allocator._done is not None)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert out == ["None", "True"]

@@ -10,7 +10,7 @@ from _models import LBFGSMLP, ExplodingMLP, LoggingMLP, SchedulerMLP
 from fedshard_lightning.data import SyntheticDataModule
 from fedshard_lightning.engine import FederatedEngine, Group, LocalSchedule, stack_params
 from fedshard_lightning.engine.local import ClientBatch
-from fedshard_lightning.errors import ContractError, NonFiniteLossError
+from fedshard_lightning.errors import ConfigError, ContractError, NonFiniteLossError
 from fedshard_lightning.models import MLP, FedAvgCNN
 
 
@@ -179,3 +179,25 @@ def test_with_optimizer_replaces_the_client_optimizer_on_both_paths():
     sgd = plain.train_groups(stack_params([plain.module_params()]), [Group(0, tuple(range(6)), 2)]).params
     assert _maxdiff(res["always"], res["never"]) <= 1e-10
     assert _maxdiff(res["always"], sgd) > 1e-6
+
+
+def test_with_optimizer_and_with_participants_return_new_engines():
+    from fedshard_lightning.engine.optim import OptimizerSpec
+
+    dm = _data(k=6, n=120)
+    m = _model(dm, optimizer="sgd", lr=0.1)
+    eng = FederatedEngine(m, dm, LocalSchedule(batch_size=5), seed=1, vectorize="always")
+    spec = OptimizerSpec(torch.optim.Adam, ((tuple(n for n, _ in m.named_parameters()), {"lr": 0.01}),))
+    other = eng.with_optimizer(spec)
+    assert other is not eng and other.spec is spec and eng.spec is not spec
+    assert eng.local.spec is not spec and not eng.local.loop_uses_spec
+
+    def evens(stage, group, round_):
+        return [c for c in group.clients if c % 2 == 0]
+
+    picky = eng.with_participants(evens)
+    assert eng.samples_everyone and not picky.samples_everyone
+    res = picky.train_groups(stack_params([eng.module_params()]), [Group(0, tuple(range(6)), 1)])
+    assert res.history[0].participants == [[0, 2, 4]]
+    with pytest.raises(ConfigError, match="participants policy"):
+        eng.with_participants(42)

@@ -10,6 +10,7 @@ from torch import nn
 from fedshard_lightning.data import SyntheticDataModule
 from fedshard_lightning.engine import FederatedEngine, Group, LocalSchedule, stack_params
 from fedshard_lightning.engine.chain import StackedChain
+from fedshard_lightning.engine.local import Kernel, KernelChoice
 from fedshard_lightning.engine.stacked import StackedProgram, Unsupported, probe_params
 from fedshard_lightning.models import MLP, FedAvgCNN
 from fedshard_lightning.module import FederatedModule
@@ -96,7 +97,7 @@ def _train(m, dm, mode, kernel="auto", conv_mode=None, sched=None):
     k = len(dm.client_indices)
     init = stack_params([eng.module_params()] * 2)
     res = eng.train_groups(init, [Group(0, tuple(range(k // 2)), 2), Group(1, tuple(range(k // 2, k)), 2)])
-    return res.params, eng.local.program_status
+    return res.params, eng.local.kernel_choice
 
 
 def _maxdiff(a, b):
@@ -106,14 +107,14 @@ def _maxdiff(a, b):
 @pytest.mark.parametrize(
     ("model", "shape", "status"),
     [
-        (lambda: MLP(hidden=(8, 8), lr=0.1), (10,), "fx+chain"),
-        (lambda: MLP(hidden=(8,), lr=0.05, momentum=0.9), (10,), "fx+chain"),
-        (lambda: FedAvgCNN(channels=(2, 3), hidden=8, lr=0.05), (1, 8, 8), "fx+chain"),
-        (lambda: TanhPoolNet(lr=0.05, optimizer="adam"), (2, 6, 6), "fx+chain"),
-        (lambda: SmoothedNet(hidden=(8,), lr=0.1), (10,), "fx (no chain"),
-        (lambda: BufferNet(lr=0.1), (10,), "vmap: the model has buffers"),
-        (lambda: CenteredNet(lr=0.1), (10,), "vmap: tensor method mean"),
-        (lambda: OwnStepNet(hidden=(8,), lr=0.1), (10,), "vmap: training_step is overridden"),
+        (lambda: MLP(hidden=(8, 8), lr=0.1), (10,), (Kernel.CHAIN, "")),
+        (lambda: MLP(hidden=(8,), lr=0.05, momentum=0.9), (10,), (Kernel.CHAIN, "")),
+        (lambda: FedAvgCNN(channels=(2, 3), hidden=8, lr=0.05), (1, 8, 8), (Kernel.CHAIN, "")),
+        (lambda: TanhPoolNet(lr=0.05, optimizer="adam"), (2, 6, 6), (Kernel.CHAIN, "")),
+        (lambda: SmoothedNet(hidden=(8,), lr=0.1), (10,), (Kernel.FX, "no chain")),
+        (lambda: BufferNet(lr=0.1), (10,), (Kernel.VMAP, "the model has buffers")),
+        (lambda: CenteredNet(lr=0.1), (10,), (Kernel.VMAP, "tensor method mean")),
+        (lambda: OwnStepNet(hidden=(8,), lr=0.1), (10,), (Kernel.VMAP, "training_step is overridden")),
     ],
 )
 def test_kernel_choice_and_equality_with_loop(model, shape, status):
@@ -121,14 +122,15 @@ def test_kernel_choice_and_equality_with_loop(model, shape, status):
     m = _bind(model(), dm)
     loop, _ = _train(m, dm, "never")
     stacked, got = _train(m, dm, "always")
-    assert got.startswith(status)
+    kernel, reason = status
+    assert got.kernel is kernel and got.reason.startswith(reason) and bool(got.reason) == bool(reason)
     assert _maxdiff(stacked, loop) <= 1e-10
-    if got.startswith("fx"):
+    if got.kernel in (Kernel.CHAIN, Kernel.FX):
         fx_only, got_fx = _train(m, dm, "always", kernel="fx")
-        assert got_fx == "fx"
+        assert got_fx == KernelChoice(Kernel.FX)
         assert _maxdiff(fx_only, loop) <= 1e-10
     vm, got_vm = _train(m, dm, "always", kernel="vmap")
-    assert got_vm == "vmap: chosen" and _maxdiff(vm, loop) <= 1e-10
+    assert got_vm == KernelChoice(Kernel.VMAP, "chosen") and _maxdiff(vm, loop) <= 1e-10
 
 
 @pytest.mark.parametrize("conv_mode", ["grouped", "per_client"])
@@ -137,7 +139,7 @@ def test_conv_modes_equal_loop(conv_mode):
     m = _bind(FedAvgCNN(channels=(3, 4), hidden=8, lr=0.05, momentum=0.5), dm)
     loop, _ = _train(m, dm, "never")
     stacked, status = _train(m, dm, "always", conv_mode=conv_mode)
-    assert status == "fx+chain"
+    assert status == KernelChoice(Kernel.CHAIN)
     assert _maxdiff(stacked, loop) <= 1e-10
 
 
@@ -146,7 +148,7 @@ def test_float32_cnn_chain_close_to_loop():
     m = _bind(FedAvgCNN(channels=(4, 8), hidden=16, lr=0.05), dm, torch.float32)
     loop, _ = _train(m, dm, "never", sched=LocalSchedule(batch_size=5, local_steps=4))
     stacked, status = _train(m, dm, "always", sched=LocalSchedule(batch_size=5, local_steps=4))
-    assert status == "fx+chain"
+    assert status == KernelChoice(Kernel.CHAIN)
     assert _maxdiff(stacked, loop) <= 1e-5
 
 
