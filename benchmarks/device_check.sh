@@ -2,7 +2,7 @@
 # The GPU check of issue 19, in one call (under 8 minutes on one H100/H200):
 #   bash benchmarks/device_check.sh [LOG]       (default LOG: $OUT/device_check.log, else ./device_check.log)
 # Prints the device, runs the `cuda` tests, engine vs loop on CUDA (digits MLP, 2NN, FedAvg CNN,
-# ResNetGN at K=64 and 256, B=10), utilisation against the GPU's own fp32 matmul peak, and one
+# ResNetGN at K=64 and 256, B=10; with and without batch invariance; torch.compile'd), utilisation against the GPU's own fp32 matmul peak, and one
 # FedShard stage of configs/cifar100.yaml on synthetic CIFAR-100-shaped data with the projected
 # time of the whole run. Each step has its own time limit, so one slow step cannot eat the rest.
 # Needs: torch with CUDA, lightning, torchmetrics, scikit-learn, safetensors, pytest (the package
@@ -21,11 +21,14 @@ step() { echo; echo "== $1 ($(date -u +%H:%M:%S))"; }
   step "cuda tests"
   timeout 150 "$PY" -m pytest -q -m cuda -p no:cacheprovider tests/engine/test_cuda.py
   step "engine vs loop, chunk budget ${BUDGET} MB"
-  timeout 200 "$PY" benchmarks/engine_vs_loop.py --suite gpu --device cuda --rounds 3 --repeats 3 \
-    --memory-budget-mb "$BUDGET"
+  timeout 170 "$PY" benchmarks/engine_vs_loop.py --suite gpu --device cuda --rounds 3 --repeats 3 \
+    --memory-budget-mb "$BUDGET" --variant-too
+  step "torch.compile'd stacked step (K=256)"
+  timeout 100 "$PY" benchmarks/engine_vs_loop.py --suite gpu --device cuda --rounds 3 --repeats 3 \
+    --memory-budget-mb "$BUDGET" --workloads digits-mlp cifar-cnn --clients 256 --compile
   step "utilisation"
-  timeout 70 "$PY" benchmarks/utilisation.py --device cuda
+  timeout 45 "$PY" benchmarks/utilisation.py --device cuda
   step "FedShard stage 1 of configs/cifar100.yaml (synthetic CIFAR-100 shape)"
-  timeout 120 "$PY" benchmarks/cifar100_stage.py --accelerator cuda
+  timeout 90 "$PY" benchmarks/cifar100_stage.py --accelerator cuda
   step "done"
 } 2>&1 | tee "$LOG"

@@ -78,10 +78,18 @@ def time_mode(
     repeats: int,
     device: str = "cpu",
     budget_mb: float = 2048.0,
+    compile: bool = False,
+    batch_invariant: bool = True,
 ) -> tuple[float, int, str, str]:
     """Median seconds of ``rounds`` rounds, client-updates, the mode run and the stacked kernel."""
     eng = FederatedEngine(
-        model, dm, LocalSchedule(batch_size=batch), vectorize=mode, memory_budget_mb=budget_mb
+        model,
+        dm,
+        LocalSchedule(batch_size=batch),
+        vectorize=mode,
+        memory_budget_mb=budget_mb,
+        compile=compile,
+        batch_invariant=batch_invariant,
     )
     k = len(dm.client_indices)
     init = stack_params([eng.module_params()])
@@ -103,6 +111,12 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--workloads", nargs="*", choices=WORKLOADS, help="restrict the suite to these")
     ap.add_argument("--clients", nargs="*", type=int, help="restrict the suite to these K")
+    ap.add_argument("--compile", action="store_true", help="also time the torch.compile'd stacked step")
+    ap.add_argument(
+        "--variant-too",
+        action="store_true",
+        help="also time the stacked engine without batch invariance (the cost of bit-exactness)",
+    )
     ap.add_argument(
         "--memory-budget-mb",
         type=float,
@@ -145,7 +159,10 @@ def main() -> None:
         f"chunk budget {args.memory_budget_mb:.0f} MB"
     )
     print(
-        f"{'workload':<14} {'K':>5} {'B':>4} {'loop upd/s':>11} {'stacked upd/s':>14} {'ratio':>7} {'auto picks':>11}  kernel"
+        f"{'workload':<14} {'K':>5} {'B':>4} {'loop upd/s':>11} {'stacked upd/s':>14} {'ratio':>7} {'auto picks':>11}"
+        + (" variant/inv" if args.variant_too else "")
+        + (" compiled/eager (compile s)" if args.compile else "")
+        + "  kernel"
     )
     for name, k, b in grid:
         model, dm = workload(name, k, args.device)
@@ -154,8 +171,19 @@ def main() -> None:
         t_loop, n, _, _ = time_mode(model, dm, "never", b, rounds, args.repeats, **kw)
         t_stack, _, _, kernel = time_mode(model, dm, "always", b, rounds, args.repeats, **kw)
         _, _, picked, _ = time_mode(model, dm, "auto", b, 1, 1, **kw)
+        extra = ""
+        if args.variant_too:
+            t_var, _, _, _ = time_mode(
+                model, dm, "always", b, rounds, args.repeats, batch_invariant=False, **kw
+            )
+            extra += f" {t_stack / t_var:>10.2f}x"
+        if args.compile:
+            t = time.perf_counter()
+            t_comp, _, _, _ = time_mode(model, dm, "always", b, rounds, args.repeats, compile=True, **kw)
+            extra += f" {t_stack / t_comp:>10.2f}x ({time.perf_counter() - t - args.repeats * t_comp:.0f} s)"
         print(
-            f"{name:<14} {k:>5} {b:>4} {n / t_loop:>11.1f} {n / t_stack:>14.1f} {t_loop / t_stack:>6.2f}x {picked:>11}  {kernel}",
+            f"{name:<14} {k:>5} {b:>4} {n / t_loop:>11.1f} {n / t_stack:>14.1f} {t_loop / t_stack:>6.2f}x {picked:>11}"
+            f"{extra}  {kernel}",
             flush=True,
         )
 

@@ -46,7 +46,15 @@ def configure_process(device: str | object) -> None:
     """Process-wide settings for training on ``device``, applied once at start-up.
 
     The trainer calls this when it launches (benchmarks that build engines directly call it too);
-    constructing an engine changes nothing outside itself. CUDA keeps its own caching allocator.
+    constructing an engine changes nothing outside itself. CUDA keeps its own caching allocator;
+    there cuDNN is limited to deterministic algorithms, so that the same shapes give the same bits
+    (exact unlearning), and does not benchmark algorithms per shape.
     """
-    if str(device).split(":")[0] == "cpu":
+    kind = str(device).split(":")[0]
+    if kind == "cpu":
         retain_freed_memory()
+    elif kind == "cuda":
+        import torch
+
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False

@@ -102,6 +102,8 @@ class FederatedEngine:
         memory_budget_mb: Memory the stacked clients of one chunk may use (an estimate).
         batch_invariant: Compute every client with the same kernel shapes whoever shares its
             chunk (see :meth:`invariant_block`), so float32 unlearning replays bit for bit.
+        compile: ``torch.compile`` the stacked step (the chain kernel or the fx program; vmap
+            stays eager). Shapes are then fixed per call, so each shape compiles once.
     """
 
     def __init__(
@@ -115,6 +117,7 @@ class FederatedEngine:
         max_chunk_clients: int | None = None,
         memory_budget_mb: float = 2048.0,
         batch_invariant: bool = True,
+        compile: bool = False,
     ) -> None:
         if not 0 < client_fraction <= 1:
             raise ConfigError(f"client_fraction={client_fraction}: must be in (0, 1]")
@@ -132,6 +135,7 @@ class FederatedEngine:
         self.names = [n for n, p in module.named_parameters() if p.requires_grad]
         self.spec = optimizer_spec(module, self.names)
         self.local = LocalTrainer(module, datamodule, schedule, self.spec, self.names, self.seed)
+        self.local.compiled = bool(compile)
         self.sizes = np.asarray(datamodule.client_sizes, dtype=np.int64)
         self._mode: str | None = {"always": "stacked", "never": "loop"}.get(vectorize)
         self.chunk = max_chunk_clients or self._chunk_from_budget(memory_budget_mb)
@@ -222,12 +226,12 @@ class FederatedEngine:
         clients, so there each call has exactly this many clients (padded with inert copies),
         also when the memory budget's chunk is smaller.
         """
-        if not self.batch_invariant:
+        if not self.batch_invariant and not self.local.compiled:
             return None
         self.local.program()
         cuda = next(self.module.parameters()).device.type == "cuda"
         fx = self.local.kernel_choice.kernel in (Kernel.CHAIN, Kernel.FX)
-        if not cuda and fx and self.local.conv_mode == "per_client":
+        if not cuda and fx and self.local.conv_mode == "per_client" and not self.local.compiled:
             return None
         return 64 if cuda else 8  # constant: a block that followed the chunk size would vary with it
 

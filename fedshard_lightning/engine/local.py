@@ -19,6 +19,7 @@ import copy
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -121,6 +122,10 @@ class LocalTrainer:
         self._program: StackedProgram | None = None
         self._chain: StackedChain | None = None
         self.kernel_choice: KernelChoice | None = None  # decided on first use
+        # torch.compile of the stacked step (the hand-written chain step, or the fx program's
+        # forward; vmap stays eager). Set through FederatedEngine(compile=True).
+        self.compiled = False
+        self._compiled: dict[str, Any] = {}
         self.loop_uses_spec = False
         own = [ix.cpu().numpy().astype(np.int64) for ix in datamodule.client_indices]
         self._client_len = np.array([len(o) for o in own], dtype=np.int64)
@@ -165,6 +170,14 @@ class LocalTrainer:
                 self.kernel_choice = KernelChoice(Kernel.VMAP, "training_step is overridden")
         return self._program
 
+    def _maybe_compiled(self, key: str, fn: Any) -> Any:
+        """``fn`` compiled once (static shapes: the engine then runs fixed-shape calls), or as is."""
+        if not self.compiled:
+            return fn
+        if key not in self._compiled:
+            self._compiled[key] = torch.compile(fn, dynamic=False)
+        return self._compiled[key]
+
     def _fused_sgd_lr(self) -> dict[str, float] | None:
         """Learning rate by parameter when the client optimizer is plain SGD (fused into backward)."""
         if self.spec.cls is not torch.optim.SGD:
@@ -204,7 +217,9 @@ class LocalTrainer:
         prog = self.program()
         with torch.enable_grad():
             if prog is not None:
-                per = prog({k[len(_PREFIX) :]: v for k, v in leaves.items()}, x, y)
+                per = self._maybe_compiled("fx", prog)(
+                    {k[len(_PREFIX) :]: v for k, v in leaves.items()}, x, y
+                )
                 losses = per.mean(1) if mask is None else (per * mask).sum(1) / mask.sum(1).clamp_min(1)
             else:
                 losses = self._fwd(leaves, buffers, x, y)
@@ -285,7 +300,7 @@ class LocalTrainer:
                     x, y = self.dm.gather(gidx_t[s, :m], self.dtype)
                     weight_t = weight_all[s, :m]
                     named = {k[len(_PREFIX) :]: v for k, v in leaves.items()}
-                    losses, by_name = chain.step(named, x, y, weight_t, fused)
+                    losses, by_name = self._maybe_compiled("chain", chain.step)(named, x, y, weight_t, fused)
                     loss_sum[:m] += losses
                     if fused is not None:
                         continue

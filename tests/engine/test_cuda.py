@@ -25,6 +25,14 @@ pytestmark = [
 CUDA = "cuda"
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _process_settings():
+    """What the trainer applies at launch (deterministic cuDNN algorithms)."""
+    from fedshard_lightning.engine.allocator import configure_process
+
+    configure_process(CUDA)
+
+
 def _data(k=8, shape=(10,), per_client=20, device=CUDA):
     dm = SyntheticDataModule(
         num_clients=k,
@@ -144,3 +152,21 @@ def test_cache_round_trip_cuda_cpu_cuda(tmp_path):
     after = _trainer(tmp_path).test(*_fresh(MLP, (10,)), str(run))
     again = _trainer(tmp_path, accelerator="cpu").test(*_fresh(MLP, (10,)), str(run))
     assert after["test_accuracy"] == pytest.approx(again["test_accuracy"], abs=1e-6)
+
+
+def test_compiled_step_equals_eager_float64():
+    dm = _data()
+    out = {}
+    for compiled in (False, True):
+        eng = FederatedEngine(
+            _model(dm, MLP, torch.float64),
+            dm,
+            LocalSchedule(batch_size=5),
+            seed=1,
+            vectorize="always",
+            compile=compiled,
+        )
+        k = len(dm.client_indices)
+        groups = [Group(0, tuple(range(k // 2)), 2), Group(1, tuple(range(k // 2, k)), 1)]
+        out[compiled] = eng.train_groups(stack_params([eng.module_params()] * 2), groups, stage=1).params
+    assert max(float((out[True][k] - out[False][k]).abs().max()) for k in out[True]) <= 1e-10
