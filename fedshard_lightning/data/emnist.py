@@ -79,11 +79,6 @@ class EMNISTDataModule(FederatedDataModule):
             raise ConfigError(f"data.split={split!r}: choose one of {', '.join(EMNIST_SPLITS)}")
         self.split = split
 
-    def hparams_for_fingerprint(self) -> dict:
-        """Base settings plus the split."""
-        return {**super().hparams_for_fingerprint(), "split": self.split}
-
-    @property
     def root(self) -> Path:
         """Folder holding this dataset's files."""
         return Path(self.data_dir) / self.folder

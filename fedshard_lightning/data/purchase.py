@@ -148,11 +148,6 @@ class Purchase100DataModule(FederatedDataModule):
         self.archive_sha256 = archive_sha256.lower() if archive_sha256 else None
         self._pending_test: tuple[Tensor, Tensor] | None = None
 
-    def hparams_for_fingerprint(self) -> dict:
-        """Base settings plus the test split."""
-        return {**super().hparams_for_fingerprint(), "test_fraction": self.test_fraction}
-
-    @property
     def root(self) -> Path:
         """Folder holding this dataset's files."""
         return Path(self.data_dir) / self.folder

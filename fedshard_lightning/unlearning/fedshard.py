@@ -47,6 +47,7 @@ from fedshard_lightning.sharding import (
     signed_angles,
 )
 from fedshard_lightning.unlearning.base import Algorithm, UnlearnResult
+from fedshard_lightning.unlearning.context import AlgorithmContext
 
 __all__ = ["FedShard", "ShardRecord"]
 
@@ -120,6 +121,7 @@ class FedShard(Algorithm):
     """
 
     name = "fedshard"
+    state_fields = (*Algorithm.state_fields, "tree", "records", "models", "stage_seconds")
 
     def __init__(
         self,
@@ -159,11 +161,10 @@ class FedShard(Algorithm):
         self.rounds_name = rounds if isinstance(rounds, str) else type(rounds).__name__
         self.t0, self.t1, self.fixed_rounds = t0, t1, fixed_rounds
         self.merge_weighting = merge_weighting
-        self.theta0: dict[str, Tensor] | None = None
+        self._fresh_round_policy = self.round_policy.state_dict()
         self.tree: ShardTree | None = None
         self.records: list[list[ShardRecord]] = []
         self.models: list[dict[str, Tensor]] = []
-        self.total_client_steps = 0
         self.stage_seconds: list[float] = []
         self._sizes: list[int] = []
         self._steps: list[int] = []
@@ -171,22 +172,35 @@ class FedShard(Algorithm):
         # that committed version, so the next commit hard-links the stages that did not change.
         self._committed: tuple[str, str, dict[int, dict[str, Tensor]]] | None = None
 
-    def hparams(self) -> dict[str, Any]:
-        """Base settings plus the tree and round settings."""
+    def setup(self, ctx: AlgorithmContext) -> None:
+        """Build the engine; remember every client's sample count and local steps per round."""
+        super().setup(ctx)
+        self._sizes = [int(n) for n in ctx.client_sizes]
+        self._steps = [self.schedule.num_steps(n) for n in self._sizes]
+
+    def initial_state(self, theta0: dict[str, Tensor]) -> dict[str, Any]:
+        """An empty tree over the K clients; the round policy forgets any earlier calibration."""
+        self.round_policy.load_state_dict(self._fresh_round_policy)
+        tree = ShardTree(self.num_clients, self.merge_rate)
         return {
-            **super().hparams(),
-            "merge_rate": self.merge_rate,
-            "merge": repr(self.merge_policy),
-            "rounds": repr(self.round_policy),
-            "merge_weighting": self.merge_weighting,
+            **super().initial_state(theta0),
+            "tree": tree,
+            "records": [],
+            "models": [],
+            "stage_seconds": [],
         }
 
-    # -- helpers ----------------------------------------------------------------------------------
-    def attach(self, trainer: Any) -> None:
-        """Build the engine; remember every client's sample count and local steps per round."""
-        super().attach(trainer)
-        self._sizes = [int(n) for n in trainer.datamodule.client_sizes]
-        self._steps = [self.schedule.num_steps(n) for n in self._sizes]
+    def is_complete(self) -> bool:
+        """Every planned stage is trained."""
+        return len(self.records) == self.planned_stages
+
+    def progress(self) -> str:
+        """Stages trained so far."""
+        return f"training stopped after stage {len(self.records)} of {self.planned_stages}"
+
+    def run_files(self) -> dict[str, str]:
+        """``tree.txt``: the frozen tree, drawn."""
+        return {"tree.txt": self.tree.pretty() + "\n"}
 
     @property
     def planned_stages(self) -> int:
@@ -197,7 +211,7 @@ class FedShard(Algorithm):
         return 1.0 if self.merge_weighting == "clients" else float(self._sizes[c])
 
     def _merge_seed(self, stage: int) -> int:
-        return (self.trainer.seed * 1_000_003 + stage * 7919) % (2**32)
+        return (self.ctx.seed * 1_000_003 + stage * 7919) % (2**32)
 
     def _children_average(
         self,
@@ -243,12 +257,8 @@ class FedShard(Algorithm):
 
     # -- training ---------------------------------------------------------------------------------
     def fit(self) -> dict[str, Tensor]:
-        """Stages 1..P (or the remaining ones after a resume); returns theta_1^P."""
-        if self.tree is None:
-            self.theta0 = self.trainer.theta0
-            self.tree = ShardTree(self.num_clients, self.merge_rate)
-            self.records, self.models = [], []
-            self.total_client_steps = 0
+        """Stages after the last trained one (all of them from a fresh state); returns theta_1^P."""
+        events = self.events
         for stage in range(len(self.records) + 1, self.planned_stages + 1):
             t = time.perf_counter()
             if stage == 1:
@@ -276,11 +286,9 @@ class FedShard(Algorithm):
                 )
                 for i, sh in enumerate(shards)
             ]
-            self.trainer.fabric.call(
-                "on_stage_merge", self.trainer, stage=stage, groups=grouping, alphas=prev_alpha, rounds=rounds
-            )
+            events.stage_merge(stage, grouping, prev_alpha, rounds)
             groups = [Group(i, tuple(r.clients), r.rounds) for i, r in enumerate(records)]
-            self.trainer.stage_start(stage, groups)
+            events.stage_start(stage, groups)
             prev = self.models[-1] if self.models else None
             prev_rec = self.records[-1] if self.records else None
             init = self._children_average(stage, records, prev, prev_rec)
@@ -304,18 +312,21 @@ class FedShard(Algorithm):
                 "rounds_min": float(min(r.rounds for r in records)),
                 "rounds_max": float(max(r.rounds for r in records)),
             }
-            acc, loss = self.trainer.evaluate(self._stage_average(stage))
+            acc, loss = events.evaluate(self._stage_average(stage))
             stage_metrics.update(test_accuracy=acc, test_loss=loss)
-            self.trainer.stage_end(stage, stage_metrics)
-        if self.trainer.is_global_zero and self.trainer.run_dir is not None:
-            (self.trainer.run_dir / "tree.txt").write_text(self.tree.pretty() + "\n")
+            events.stage_end(stage, stage_metrics)
         return self.current_params()
 
     def _stage_average(self, stage: int) -> dict[str, Tensor]:
-        """theta^p: weighted average of the live shards of a stage."""
+        """theta^p for the stage's test accuracy: the live shards weighted by their training samples.
+
+        Sample weights, like the per-round accuracy (``fedshard_lightning.loop``), so the per-round
+        and per-stage curves describe the same model; the merge weights (``merge_weighting``)
+        still decide how children are averaged into a shard's initial model.
+        """
         recs = self.records[stage - 1]
         models = self.models[stage - 1]
-        w = torch.tensor([0.0 if r.empty else r.weight for r in recs], dtype=torch.float64)
+        w = torch.tensor([float(sum(self._sizes[c] for c in r.remaining)) for r in recs], dtype=torch.float64)
         w = w / w.sum()
         return {k: (v * w.to(v).view(-1, *[1] * (v.ndim - 1))).sum(0) for k, v in models.items()}
 
@@ -460,10 +471,11 @@ class FedShard(Algorithm):
         }
 
     # -- cache ------------------------------------------------------------------------------------
-    def write_cache(self, cache: FLCache, label: str) -> str:
-        """theta^0, every completed stage's shard models, and the tree's records."""
-        manifest = {
-            **self.manifest_base(complete=len(self.records) == self.planned_stages),
+    def cache_files(
+        self, cache: FLCache
+    ) -> tuple[dict[str, Any], dict[str, dict[str, Tensor]], dict[str, str]]:
+        """Every completed stage's shard models and the tree's records (unchanged stages hard-linked)."""
+        fields = {
             "merge_rate": self.merge_rate,
             "planned_stages": self.planned_stages,
             "client_sizes": list(self._sizes),
@@ -471,8 +483,7 @@ class FedShard(Algorithm):
             "stages": [[r.to_dict() for r in recs] for recs in self.records],
             "round_policy_state": self.round_policy.state_dict(),
         }
-        tensors = {"theta0.safetensors": self.theta0}
-        reuse = {}
+        tensors, reuse = {}, {}
         base_version = cache.current() if cache.exists() else None
         base = cache.manifest(base_version) if base_version is not None else None
         for p, m in enumerate(self.models, start=1):
@@ -485,14 +496,9 @@ class FedShard(Algorithm):
                 reuse[fname] = fname
             else:
                 tensors[fname] = m
-        if "theta0.safetensors" in (base or {}).get("files", {}):
-            reuse["theta0.safetensors"] = "theta0.safetensors"
-            del tensors["theta0.safetensors"]
-        version = cache.commit(cache.next_name(label), manifest, tensors, reuse=reuse)
-        self._mark_committed(cache, version)
-        return version
+        return fields, tensors, reuse
 
-    def _mark_committed(self, cache: FLCache, version: str) -> None:
+    def committed(self, cache: FLCache, version: str) -> None:
         """Remember that the current stage models are the files of ``version``."""
         self._committed = (str(cache.root), version, dict(enumerate(self.models, start=1)))
 
@@ -509,18 +515,15 @@ class FedShard(Algorithm):
             and committed[0] == str(cache.root)
             and committed[1] == base_version
             and committed[2].get(stage) is self.models[stage - 1]
-            and base.get("fingerprint") == self.trainer.fingerprint
             and len(stages) >= stage
             and stages[stage - 1] == [r.to_dict() for r in self.records[stage - 1]]
         )
 
-    def _restore(self, cache: FLCache) -> dict[str, Any]:
-        manifest = self.trainer.check_manifest(cache, self.name)
+    def restore_cache(self, cache: FLCache, manifest: dict[str, Any], device: torch.device) -> None:
+        """Restore the tree, the records and every stage's shard models."""
         version = cache.current()
-        if manifest.get("num_clients") != self.num_clients or manifest.get("merge_rate") != self.merge_rate:
+        if manifest.get("merge_rate") != self.merge_rate:
             raise CacheError(f"{cache.root}: the cache was made for another number of clients or merge rate")
-        device = self.trainer.device
-        self.theta0 = cache.tensors("theta0.safetensors", version=version, device=device, manifest=manifest)
         try:
             self.tree = ShardTree.from_dict(manifest["tree"])
             self.records = [[ShardRecord.from_dict(r) for r in recs] for recs in manifest["stages"]]
@@ -530,25 +533,11 @@ class FedShard(Algorithm):
             cache.tensors(f"stage_{p}.safetensors", version=version, device=device, manifest=manifest)
             for p in range(1, len(self.records) + 1)
         ]
-        self._mark_committed(cache, version)
-        self.unlearned = [int(c) for c in manifest.get("unlearned", [])]
-        self.total_client_steps = int(manifest.get("client_steps", 0))
+        self.stage_seconds = []
+        self.committed(cache, version)
         if "round_policy_state" in manifest:
             self.round_policy.load_state_dict(manifest["round_policy_state"])
-        return manifest
 
-    def resume(self, cache: FLCache) -> bool:
-        """Continue an interrupted fit after its last complete stage."""
-        manifest = self._restore(cache)
-        if self.unlearned:
-            raise CacheError(f"{cache.root}: this run has unlearning requests already; it cannot be resumed")
-        return bool(manifest.get("stages") is not None)
-
-    def load_cache(self, cache: FLCache) -> None:
-        """Restore a finished fit (with every applied request)."""
-        manifest = self._restore(cache)
-        if not manifest.get("complete"):
-            raise CacheError(
-                f"{cache.root}: training stopped after stage {len(self.records)} of {self.planned_stages}; "
-                "resume it with fit --ckpt_path RUN_DIR first"
-            )
+    def resumable(self, manifest: dict[str, Any]) -> bool:
+        """A partial fit continues after its last complete stage."""
+        return manifest.get("stages") is not None
