@@ -281,8 +281,12 @@ class Algorithm(RecordsInitArgs):
         return {}
 
     def resumable(self, manifest: dict[str, Any]) -> bool:
-        """Whether ``fit`` can continue from a restored partial state (else it restarts)."""
-        return bool(manifest.get("complete"))
+        """Whether ``fit`` can continue from a restored partial state (else it restarts).
+
+        True for a finished fit and for any state stored by the default :meth:`cache_files`
+        (which stores all of it); algorithms with their own files decide for themselves.
+        """
+        return bool(manifest.get("complete")) or "state" in manifest
 
     # -- certificate -------------------------------------------------------------------------------
     def audit(self, tolerance: float) -> dict[str, Any]:
