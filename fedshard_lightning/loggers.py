@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from lightning.fabric.loggers import CSVLogger, Logger
 
@@ -33,10 +34,8 @@ def _wandb_logger(run_dir: Path, project: str, mode: str, algorithm: str, datase
     )
 
 
-def run_loggers(
-    run_dir: Path, command: str, wandb: bool, project: str, mode: str, algorithm: str, dataset: str
-) -> list[Logger]:
-    """CSV into ``run_dir/logs`` (``fit`` first, later commands in ``logs/<command>-N``), and W&B when asked."""
+def run_loggers(trainer: Any, run_dir: Path, command: str) -> list[Logger]:
+    """CSV into ``run_dir/logs`` (``fit`` first, later commands in ``logs/<command>-N``), W&B when asked, the user's."""
     logs = run_dir / "logs"
     version = ""
     if (logs / "metrics.csv").exists() or command != "fit":
@@ -45,9 +44,12 @@ def run_loggers(
             n += 1
         version = f"{command}-{n}"
     loggers: list[Logger] = [CSVLogger(root_dir=str(run_dir), name="logs", version=version)]
-    if wandb:
-        loggers.append(_wandb_logger(run_dir, project, mode, algorithm, dataset))
-    return loggers
+    if trainer.wandb:
+        dataset = type(trainer.datamodule).__name__.removesuffix("DataModule").lower()
+        loggers.append(
+            _wandb_logger(run_dir, trainer.wandb_project, trainer.wandb_mode, trainer.algorithm.name, dataset)
+        )
+    return loggers + trainer.user_loggers
 
 
 def finish_loggers(loggers: list[Logger], wandb: bool) -> None:

@@ -21,7 +21,7 @@ from fedshard_lightning.cache import atomic_write_bytes, atomic_write_json
 from fedshard_lightning.engine import Group, RoundInfo
 from fedshard_lightning.errors import CacheError
 from fedshard_lightning.loggers import finish_loggers
-from fedshard_lightning.unlearning.context import LoopEvents
+from fedshard_lightning.unlearning.context import AlgorithmContext, LoopEvents
 
 __all__ = ["TrainerEvents", "run_fit", "sample_weighted_average"]
 
@@ -45,6 +45,20 @@ class TrainerEvents(LoopEvents):
         self.trainer = trainer
         self.global_round = 0
         self.client_steps = 0
+
+    def context(self) -> AlgorithmContext:
+        """What the algorithm sees of this trainer's run: engines, client sizes, seed, device, these events."""
+        t = self.trainer
+        return AlgorithmContext(
+            make_engine=t.make_engine,
+            client_sizes=t.client_sizes,
+            seed=t.seed,
+            device=t.device,
+            events=self,
+            world_size=t.fabric.world_size,
+            global_rank=t.fabric.global_rank,
+            all_gather=t.fabric.all_gather,
+        )
 
     def stage_start(self, stage: int, groups: Sequence[Group]) -> None:
         """Fire ``on_stage_start``."""

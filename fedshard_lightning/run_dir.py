@@ -24,10 +24,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from fedshard_lightning.cache import FLCache, atomic_write_json
+import torch
+from torch import Tensor
+
+from fedshard_lightning.cache import FLCache, atomic_write_json, load_tensors
 from fedshard_lightning.errors import CacheError, ConfigError, FedShardError
 
-__all__ = ["Journal", "existing_run_dir", "new_run_dir", "recover_reports", "run_lock"]
+__all__ = ["Journal", "existing_run_dir", "model_is_stale", "new_run_dir", "recover_reports", "run_lock"]
 
 
 def new_run_dir(root_dir: str, run_name: str | None) -> Path:
@@ -141,6 +144,15 @@ class Journal:
                 if isinstance(entry, dict) and entry.get("event") == "committed":
                     done.add(int(entry.get("request", -1)))
         return done
+
+
+def model_is_stale(path: Path, params: dict[str, Tensor], device: torch.device) -> bool:
+    """Whether ``model.safetensors`` is missing, unreadable or differs from the cache's current model."""
+    try:
+        on_disk = load_tensors(path, device=device) if path.is_file() else {}
+    except CacheError:
+        return True
+    return any(k not in on_disk or not torch.equal(on_disk[k], v) for k, v in params.items())
 
 
 def _version_with_requests(cache: FLCache, n: int) -> str | None:

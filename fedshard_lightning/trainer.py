@@ -27,7 +27,7 @@ from fedshard_lightning.cache import (
     atomic_save_tensors,
     load_tensors,
 )
-from fedshard_lightning.callbacks import FederatedCallback, MetricsLogger, ProgressBar
+from fedshard_lightning.callbacks import FederatedCallback, default_callbacks
 from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.engine import FederatedEngine, LocalSchedule, evaluate
 from fedshard_lightning.errors import CacheError, ConfigError
@@ -36,10 +36,16 @@ from fedshard_lightning.loggers import run_loggers
 from fedshard_lightning.loop import TrainerEvents, run_fit
 from fedshard_lightning.module import FederatedModule
 from fedshard_lightning.requests import apply_request
-from fedshard_lightning.run_dir import Journal, existing_run_dir, new_run_dir, recover_reports, run_lock
+from fedshard_lightning.run_dir import (
+    Journal,
+    existing_run_dir,
+    model_is_stale,
+    new_run_dir,
+    recover_reports,
+    run_lock,
+)
 from fedshard_lightning.store import RunStore
 from fedshard_lightning.unlearning.base import Algorithm
-from fedshard_lightning.unlearning.context import AlgorithmContext
 
 __all__ = ["FederatedTrainer"]
 
@@ -190,31 +196,11 @@ class FederatedTrainer:
         self._launch()
         self.run_dir, self._command = run_dir, command
         self.module, self.datamodule = model, datamodule
-        user_types = {type(c) for c in self.user_callbacks}
-        defaults: list[FederatedCallback] = []
-        if self.enable_progress_bar and ProgressBar not in user_types:
-            defaults.append(ProgressBar())
-        if MetricsLogger not in user_types:
-            defaults.append(MetricsLogger())
-        self._callbacks = defaults + self.user_callbacks
         # Fabric takes loggers and callbacks at construction, but the run directory (where the
         # loggers write) is only known after launch on multi-process runs: attach them now.
+        self._callbacks = default_callbacks(self.user_callbacks, self.enable_progress_bar)
         self.fabric._callbacks = self._callbacks
-        dataset = type(datamodule).__name__.removesuffix("DataModule").lower()
-        self.fabric._loggers = (
-            run_loggers(
-                run_dir,
-                command,
-                self.wandb,
-                self.wandb_project,
-                self.wandb_mode,
-                self.algorithm.name,
-                dataset,
-            )
-            + self.user_loggers
-            if self.fabric.is_global_zero
-            else []
-        )
+        self.fabric._loggers = run_loggers(self, run_dir, command) if self.fabric.is_global_zero else []
         with self.fabric.rank_zero_first():
             datamodule.prepare_data()
         datamodule.setup("fit")
@@ -226,18 +212,7 @@ class FederatedTrainer:
         self._test_data = None
         self.history = []
         self._events = TrainerEvents(self)
-        self.algorithm.setup(
-            AlgorithmContext(
-                make_engine=self.make_engine,
-                client_sizes=self.client_sizes,
-                seed=self.seed,
-                device=self.device,
-                events=self._events,
-                world_size=self.fabric.world_size,
-                global_rank=self.fabric.global_rank,
-                all_gather=self.fabric.all_gather,
-            )
-        )
+        self.algorithm.setup(self._events.context())
         fp = fingerprint(self.module, datamodule, self.algorithm, self.seed)
         self.store = RunStore(FLCache(run_dir / "cache"), fp, self.seed, write=self.is_global_zero)
 
@@ -269,12 +244,13 @@ class FederatedTrainer:
             self._test_data = self.datamodule.test_data(self.module.param_dtype)
         return evaluate(self.module, params, *self._test_data)
 
-    def _write_model(self, params: dict[str, Tensor]) -> None:
+    def _write_model(self, params: dict[str, Tensor], to_disk: bool = True) -> None:
         named = dict(self.module.named_parameters())
         with torch.no_grad():
             for k, v in params.items():
                 named[k].copy_(v)
-        atomic_save_tensors(self.run_dir / "model.safetensors", self.module.state_dict())
+        if to_disk:
+            atomic_save_tensors(self.run_dir / "model.safetensors", self.module.state_dict())
 
     def _print(self, text: str) -> None:
         if self.is_global_zero:
@@ -343,18 +319,10 @@ class FederatedTrainer:
             return
         # The cache is the truth: re-create what a crash after a commit may have left stale.
         params = self.algorithm.current_params()
-        path = run_dir / "model.safetensors"
-        try:
-            on_disk = load_tensors(path, device=self.device) if path.is_file() else {}
-        except CacheError:
-            on_disk = {}
-        if any(k not in on_disk or not torch.equal(on_disk[k], v) for k, v in params.items()):
+        if model_is_stale(run_dir / "model.safetensors", params, self.device):
             self._write_model(params)
         else:
-            named = dict(self.module.named_parameters())
-            with torch.no_grad():
-                for k, v in params.items():
-                    named[k].copy_(v)
+            self._write_model(params, to_disk=False)
         recover_reports(run_dir, self.store.cache, self.store.requests, Journal(run_dir))
 
     def test(

@@ -13,4 +13,16 @@ __all__ = [
     "ProgressBar",
     "StageMergeLogger",
     "UnlearningReplay",
+    "default_callbacks",
 ]
+
+
+def default_callbacks(user: list[FederatedCallback], progress_bar: bool) -> list[FederatedCallback]:
+    """Progress bar (when enabled) and metrics logging unless the user passed their own, then the user's."""
+    kinds = {type(c) for c in user}
+    out: list[FederatedCallback] = []
+    if progress_bar and ProgressBar not in kinds:
+        out.append(ProgressBar())
+    if MetricsLogger not in kinds:
+        out.append(MetricsLogger())
+    return out + list(user)
