@@ -244,13 +244,15 @@ class FederatedTrainer:
             self._test_data = self.datamodule.test_data(self.module.param_dtype)
         return evaluate(self.module, params, *self._test_data)
 
-    def _write_model(self, params: dict[str, Tensor], to_disk: bool = True) -> None:
+    def _set_params(self, params: dict[str, Tensor]) -> None:
         named = dict(self.module.named_parameters())
         with torch.no_grad():
             for k, v in params.items():
                 named[k].copy_(v)
-        if to_disk:
-            atomic_save_tensors(self.run_dir / "model.safetensors", self.module.state_dict())
+
+    def _write_model(self, params: dict[str, Tensor]) -> None:
+        self._set_params(params)
+        atomic_save_tensors(self.run_dir / "model.safetensors", self.module.state_dict())
 
     def _print(self, text: str) -> None:
         if self.is_global_zero:
@@ -322,7 +324,7 @@ class FederatedTrainer:
         if model_is_stale(run_dir / "model.safetensors", params, self.device):
             self._write_model(params)
         else:
-            self._write_model(params, to_disk=False)
+            self._set_params(params)
         recover_reports(run_dir, self.store.cache, self.store.requests, Journal(run_dir))
 
     def test(
