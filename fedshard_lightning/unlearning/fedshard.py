@@ -24,15 +24,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
-from fedshard_lightning.cache import FLCache
 from fedshard_lightning.engine import Group, RoundInfo, TrainResult
-from fedshard_lightning.errors import CacheError, ConfigError
+from fedshard_lightning.errors import ConfigError
 from fedshard_lightning.sharding import (
     A1Merge,
     A2Rounds,
@@ -48,48 +46,9 @@ from fedshard_lightning.sharding import (
 )
 from fedshard_lightning.unlearning.base import Algorithm, UnlearnResult
 from fedshard_lightning.unlearning.context import AlgorithmContext
+from fedshard_lightning.unlearning.shard_state import ShardCache, ShardRecord
 
 __all__ = ["FedShard", "ShardRecord"]
-
-
-@dataclass
-class ShardRecord:
-    """What FLCache keeps of a shard besides its model."""
-
-    children: list[int]
-    clients: list[int]
-    weight: float
-    alpha: float
-    rounds: int
-    remaining: list[int]
-
-    @property
-    def empty(self) -> bool:
-        """No client of this shard remains (it disappeared after unlearning)."""
-        return not self.remaining
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON form."""
-        return {
-            "children": self.children,
-            "clients": self.clients,
-            "weight": self.weight,
-            "alpha": self.alpha,
-            "rounds": self.rounds,
-            "remaining": self.remaining,
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ShardRecord:
-        """Inverse of :meth:`to_dict`."""
-        return cls(
-            [int(c) for c in d["children"]],
-            [int(c) for c in d["clients"]],
-            float(d["weight"]),
-            float(d["alpha"]),
-            int(d["rounds"]),
-            [int(c) for c in d["remaining"]],
-        )
 
 
 def _merge_policy(merge: str | MergePolicy) -> MergePolicy:
@@ -102,7 +61,7 @@ def _merge_policy(merge: str | MergePolicy) -> MergePolicy:
     raise ConfigError(f"algorithm.merge={merge!r}: choose a1, random or a MergePolicy class_path")
 
 
-class FedShard(Algorithm):
+class FedShard(ShardCache, Algorithm):
     """Sharded FedAvg with exact unlearning.
 
     Args:
@@ -469,75 +428,3 @@ class FedShard(Algorithm):
             "shards": per_shard,
             "lines": lines,
         }
-
-    # -- cache ------------------------------------------------------------------------------------
-    def cache_files(
-        self, cache: FLCache
-    ) -> tuple[dict[str, Any], dict[str, dict[str, Tensor]], dict[str, str]]:
-        """Every completed stage's shard models and the tree's records (unchanged stages hard-linked)."""
-        fields = {
-            "merge_rate": self.merge_rate,
-            "planned_stages": self.planned_stages,
-            "client_sizes": list(self._sizes),
-            "tree": self.tree.to_dict(),
-            "stages": [[r.to_dict() for r in recs] for recs in self.records],
-            "round_policy_state": self.round_policy.state_dict(),
-        }
-        tensors, reuse = {}, {}
-        base_version = cache.current() if cache.exists() else None
-        base = cache.manifest(base_version) if base_version is not None else None
-        for p, m in enumerate(self.models, start=1):
-            fname = f"stage_{p}.safetensors"
-            if (
-                base is not None
-                and fname in base["files"]
-                and self._stage_unchanged(p, base, cache, base_version)
-            ):
-                reuse[fname] = fname
-            else:
-                tensors[fname] = m
-        return fields, tensors, reuse
-
-    def committed(self, cache: FLCache, version: str) -> None:
-        """Remember that the current stage models are the files of ``version``."""
-        self._committed = (str(cache.root), version, dict(enumerate(self.models, start=1)))
-
-    def _stage_unchanged(self, stage: int, base: dict[str, Any], cache: FLCache, base_version: str) -> bool:
-        """Whether stage ``stage``'s file in ``base_version`` holds exactly the current records and models.
-
-        True for the stages a fit committed before (each stage commit hard-links the earlier
-        stages instead of rewriting them) and for stages loaded from ``base_version``.
-        """
-        stages = base.get("stages", [])
-        committed = self._committed
-        return (
-            committed is not None
-            and committed[0] == str(cache.root)
-            and committed[1] == base_version
-            and committed[2].get(stage) is self.models[stage - 1]
-            and len(stages) >= stage
-            and stages[stage - 1] == [r.to_dict() for r in self.records[stage - 1]]
-        )
-
-    def restore_cache(self, cache: FLCache, manifest: dict[str, Any], device: torch.device) -> None:
-        """Restore the tree, the records and every stage's shard models."""
-        version = cache.current()
-        if manifest.get("merge_rate") != self.merge_rate:
-            raise CacheError(f"{cache.root}: the cache was made for another number of clients or merge rate")
-        try:
-            self.tree = ShardTree.from_dict(manifest["tree"])
-            self.records = [[ShardRecord.from_dict(r) for r in recs] for recs in manifest["stages"]]
-        except (KeyError, TypeError, ValueError) as e:
-            raise CacheError(f"{cache.root}: the manifest's tree is malformed ({e})") from None
-        self.models = [
-            cache.tensors(f"stage_{p}.safetensors", version=version, device=device, manifest=manifest)
-            for p in range(1, len(self.records) + 1)
-        ]
-        self.stage_seconds = []
-        self.committed(cache, version)
-        if "round_policy_state" in manifest:
-            self.round_policy.load_state_dict(manifest["round_policy_state"])
-
-    def resumable(self, manifest: dict[str, Any]) -> bool:
-        """A partial fit continues after its last complete stage."""
-        return manifest.get("stages") is not None
