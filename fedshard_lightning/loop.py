@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from fedshard_lightning.cache import atomic_write_bytes, atomic_write_json
-from fedshard_lightning.engine import Group, RoundInfo
+from fedshard_lightning.engine import FederatedEngine, Group, LocalSchedule, RoundInfo
 from fedshard_lightning.errors import CacheError
 from fedshard_lightning.loggers import finish_loggers
 from fedshard_lightning.unlearning.context import AlgorithmContext, LoopEvents
@@ -49,8 +49,21 @@ class TrainerEvents(LoopEvents):
     def context(self) -> AlgorithmContext:
         """What the algorithm sees of this trainer's run: engines, client sizes, seed, device, these events."""
         t = self.trainer
+
+        def make_engine(schedule: LocalSchedule, client_fraction: float) -> FederatedEngine:
+            return FederatedEngine(
+                t.module,
+                t.datamodule,
+                schedule,
+                seed=t.seed,
+                client_fraction=client_fraction,
+                vectorize=t.vectorize,
+                max_chunk_clients=t.max_chunk_clients,
+                memory_budget_mb=t.memory_budget_mb,
+            )
+
         return AlgorithmContext(
-            make_engine=t.make_engine,
+            make_engine=make_engine,
             client_sizes=t.client_sizes,
             seed=t.seed,
             device=t.device,
@@ -121,7 +134,7 @@ def run_fit(trainer: Any, run_dir: Path, resume: bool, exclude: list[int]) -> di
     t0 = time.perf_counter()
     alg, resumed, finished = trainer.algorithm, False, False
     if resume and trainer.store.cache.exists():
-        manifest = trainer._restore()
+        manifest = trainer.store.restore(alg, trainer.device, trainer.vectorize)
         if trainer.store.requests:
             raise CacheError(
                 f"{trainer.store.cache.root}: this run has unlearning requests already; it cannot be resumed"

@@ -89,8 +89,12 @@ class RunStore:
         algorithm.committed(self.cache, version)
         return version
 
-    def restore(self, algorithm: Algorithm, device: torch.device) -> dict[str, Any]:
-        """Check the current version and load the algorithm's state from it; return its manifest."""
+    def restore(self, algorithm: Algorithm, device: torch.device, vectorize: str = "auto") -> dict[str, Any]:
+        """Check the current version and load the algorithm's state from it; return its manifest.
+
+        With ``vectorize: auto`` the engine takes the kernel path the run was trained with: replays
+        must, since the stacked and loop paths agree only to rounding (float32 ~1e-7).
+        """
         manifest = self.check(algorithm.name)
         if manifest.get("num_clients") != algorithm.num_clients:
             raise CacheError(f"{self.cache.root}: the cache was made for another number of clients")
@@ -100,4 +104,7 @@ class RunStore:
         algorithm.total_client_steps = int(manifest.get("client_steps", 0))
         self._theta0 = algorithm.theta0
         self.complete_committed = bool(manifest.get("complete"))
+        mode = manifest.get("vectorize_mode")
+        if vectorize == "auto" and mode in ("stacked", "loop"):
+            algorithm.engine.set_mode(mode)
         return manifest

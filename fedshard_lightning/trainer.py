@@ -22,14 +22,10 @@ from lightning.fabric.loggers import Logger
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 
-from fedshard_lightning.cache import (
-    FLCache,
-    atomic_save_tensors,
-    load_tensors,
-)
+from fedshard_lightning.cache import FLCache, atomic_save_tensors, load_tensors
 from fedshard_lightning.callbacks import FederatedCallback, default_callbacks
 from fedshard_lightning.data.base import FederatedDataModule
-from fedshard_lightning.engine import FederatedEngine, LocalSchedule, evaluate
+from fedshard_lightning.engine import evaluate
 from fedshard_lightning.errors import CacheError, ConfigError
 from fedshard_lightning.fingerprint import fingerprint
 from fedshard_lightning.loggers import run_loggers
@@ -216,28 +212,6 @@ class FederatedTrainer:
         fp = fingerprint(self.module, datamodule, self.algorithm, self.seed)
         self.store = RunStore(FLCache(run_dir / "cache"), fp, self.seed, write=self.is_global_zero)
 
-    def make_engine(self, schedule: LocalSchedule, client_fraction: float) -> FederatedEngine:
-        """An engine over the trainer's model and data with the trainer's vectorization settings."""
-        return FederatedEngine(
-            self.module,
-            self.datamodule,
-            schedule,
-            seed=self.seed,
-            client_fraction=client_fraction,
-            vectorize=self.vectorize,
-            max_chunk_clients=self.max_chunk_clients,
-            memory_budget_mb=self.memory_budget_mb,
-        )
-
-    def _restore(self) -> dict[str, Any]:
-        """Load the algorithm's state from the cache (fingerprint checked) and take the run's kernel path."""
-        manifest = self.store.restore(self.algorithm, self.device)
-        mode = manifest.get("vectorize_mode")
-        if self.vectorize == "auto" and mode in ("stacked", "loop"):
-            # Replays must take the run's path: the two paths agree only to rounding (float32 ~1e-7).
-            self.algorithm.engine.set_mode(mode)
-        return manifest
-
     def evaluate(self, params: dict[str, Tensor]) -> tuple[float, float]:
         """Test accuracy and loss of a model given by its parameters."""
         if self._test_data is None:
@@ -284,23 +258,13 @@ class FederatedTrainer:
             run_dir = Path(self.fabric.broadcast(made, src=0))
         self._print(f"run directory: {run_dir}")
         try:
-            return self._fit(model, datamodule, run_dir, resume, exclude_clients or [])
+            self._setup(model, datamodule, run_dir, "fit")
+            return run_fit(self, run_dir, resume, exclude_clients or [])
         except BaseException:
             # A run that failed before its first cache commit holds nothing worth keeping.
             if not resume and self.is_global_zero and not (run_dir / "cache" / "CURRENT").exists():
                 shutil.rmtree(run_dir, ignore_errors=True)
             raise
-
-    def _fit(
-        self,
-        model: FederatedModule,
-        datamodule: FederatedDataModule,
-        run_dir: Path,
-        resume: bool,
-        exclude: list[int],
-    ) -> dict[str, Any]:
-        self._setup(model, datamodule, run_dir, "fit")
-        return run_fit(self, run_dir, resume, exclude)
 
     def _load_run(
         self, model: FederatedModule, datamodule: FederatedDataModule, ckpt_path: str, command: str
@@ -311,7 +275,7 @@ class FederatedTrainer:
             raise CacheError(
                 f"{run_dir} has no committed FLCache (cache/CURRENT); was fit interrupted before stage 1?"
             )
-        manifest = self._restore()
+        manifest = self.store.restore(self.algorithm, self.device, self.vectorize)
         if not manifest.get("complete"):
             raise CacheError(
                 f"{self.store.cache.root}: {self.algorithm.progress()}; "
@@ -372,18 +336,13 @@ class FederatedTrainer:
         """
         self.enable_progress_bar = False
         with run_lock(existing_run_dir(ckpt_path, "unlearn")):
-            return self._unlearn(model, datamodule, ckpt_path, clients)
-
-    def _unlearn(
-        self, model: FederatedModule, datamodule: FederatedDataModule, ckpt_path: str, clients: list[int]
-    ) -> dict[str, Any]:
-        self._load_run(model, datamodule, ckpt_path, "unlearn")
-        return apply_request(self, clients)
+            self._load_run(model, datamodule, ckpt_path, "unlearn")
+            return apply_request(self, clients)
 
     def audit(
         self, model: FederatedModule, datamodule: FederatedDataModule, ckpt_path: str, tolerance: float = 1e-6
     ) -> dict[str, Any]:
-        """Certify exact unlearning: replay the frozen tree without every unlearned client and compare.
+        """Certify exact unlearning: recompute the model without every unlearned client and compare.
 
         Args:
             model: The model (same config as the run).
