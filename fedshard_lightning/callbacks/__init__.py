@@ -1,4 +1,8 @@
-"""Built-in federated callbacks."""
+"""Built-in federated callbacks: progress, metrics logging, stage-merge logging, the unlearning replay.
+
+Callbacks observe; they never commit (FLCache commits are the trainer's). :func:`default_callbacks`
+says which ones every trainer adds.
+"""
 
 from fedshard_lightning.callbacks.base import FederatedCallback
 from fedshard_lightning.callbacks.metrics_logger import MetricsLogger
