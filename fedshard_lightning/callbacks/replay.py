@@ -49,6 +49,7 @@ import math
 import statistics
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -108,6 +109,19 @@ def _clean(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value
+
+
+@dataclass
+class _Measured:
+    """What the measured requests gave, by client."""
+
+    z_steps: dict[int, int] = field(default_factory=dict)
+    z_sec: dict[int, float] = field(default_factory=dict)
+    acc_after: dict[int, float] = field(default_factory=dict)
+    mp_request: dict[int, float] = field(default_factory=dict)
+    drop_remaining: list[float] = field(default_factory=list)
+    after_logits: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+    test_after: list[float] = field(default_factory=list)
 
 
 def _retrain_cost(alg: Any, client: int) -> int | None:
@@ -221,51 +235,15 @@ class UnlearningReplay(FederatedCallback):
             audit = MembershipAudit(module, dm, reference, chosen, self.seed, self.mia_classifier)
         f1_before = audit.f1(reference) if audit is not None else None
 
-        z_steps: dict[int, int] = {}
-        z_sec: dict[int, float] = {}
-        acc_after: dict[int, float] = {}
-        mp_request: dict[int, float] = {}
-        drop_remaining: list[float] = []
-        after_logits: list[tuple[Tensor, Tensor]] = []
-        test_after: list[float] = []
-        if measured:
-            fitted = alg.state_dict()
-            for c in chosen:
-                _, res = alg.what_if(fitted, [c])
-                z_steps[c], z_sec[c] = int(res.client_steps), float(res.seconds)
-                after = per_client_accuracy(module, res.params, dm, split)
-                acc_after[c] = float(after[c])
-                if k > 1:
-                    report = fairness_report(acc_before, after, alphas, [c], self.eps0, self.eps1)
-                    mp_request[c] = report["M_p"]
-                    drop_remaining.append(report["remaining"]["mean"] or 0.0)
-                if audit is not None:
-                    after_logits.append(audit.logits(res.params, [c]))
-                test_after.append(trainer.evaluate(res.params)[0])
-        f1_after = audit.pooled_f1(after_logits) if audit is not None and after_logits else None
+        m = self._measure(trainer, chosen, acc_before, alphas, audit, split) if measured else _Measured()
+        z_steps, z_sec, acc_after, mp_request = m.z_steps, m.z_sec, m.acc_after, m.mp_request
+        f1_after = audit.pooled_f1(m.after_logits) if audit is not None and m.after_logits else None
 
         pop_alpha = alphas[population]
         me_clients = chosen if measured else population
-        steps_costs = torch.tensor(
-            [float(z_steps[c] if measured else z_pred[c]) for c in me_clients], dtype=torch.float64
-        )
-        me_steps = float(efficiency_fairness(steps_costs, alphas[me_clients], self.eps_alpha))
-        me_pred = float(
-            efficiency_fairness(
-                torch.tensor([float(z_pred[c]) for c in population], dtype=torch.float64),
-                pop_alpha,
-                self.eps_alpha,
-            )
-        )
-        me_sec = None
-        if z_sec:
-            me_sec = float(
-                efficiency_fairness(
-                    torch.tensor([z_sec[c] for c in chosen], dtype=torch.float64),
-                    alphas[chosen],
-                    self.eps_alpha,
-                )
-            )
+        me_steps = self._me([z_steps[c] if measured else z_pred[c] for c in me_clients], alphas[me_clients])
+        me_pred = self._me([z_pred[c] for c in population], pop_alpha)
+        me_sec = self._me([z_sec[c] for c in chosen], alphas[chosen]) if z_sec else None
 
         self.rows = []
         for c in population:
@@ -322,11 +300,9 @@ class UnlearningReplay(FederatedCallback):
             "alpha_abs_mean": float(pop_alpha.abs().mean()),
             "acc_before_mean": float(torch.nan_to_num(acc_before[population]).mean()),
             "delta_acc_leaving_mean": (sum(leaving_drop) / len(leaving_drop)) if leaving_drop else None,
-            "delta_acc_remaining_mean": (
-                sum(drop_remaining) / len(drop_remaining) if drop_remaining else None
-            ),
+            "delta_acc_remaining_mean": _stats(m.drop_remaining)["mean"],
             "test_accuracy": (metrics or {}).get("test_accuracy"),
-            "test_accuracy_after_mean": (sum(test_after) / len(test_after)) if test_after else None,
+            "test_accuracy_after_mean": _stats(m.test_after)["mean"],
             "probe_seconds": probe_seconds,
             "accuracy_split": split,
             "eps_alpha": self.eps_alpha,
@@ -337,6 +313,34 @@ class UnlearningReplay(FederatedCallback):
         self.summary = _clean(summary)
         self._write(trainer)
         return self.summary
+
+    def _measure(
+        self, trainer: Any, chosen: list[int], acc_before: Tensor, alphas: Tensor, audit: Any, split: str
+    ) -> _Measured:
+        """Unlearn every chosen client alone with the pure ``what_if`` (each from the fitted state)."""
+        alg, module, dm = trainer.algorithm, trainer.module, trainer.datamodule
+        out, fitted = _Measured(), alg.state_dict()
+        for c in chosen:
+            _, res = alg.what_if(fitted, [c])
+            out.z_steps[c], out.z_sec[c] = int(res.client_steps), float(res.seconds)
+            after = per_client_accuracy(module, res.params, dm, split)
+            out.acc_after[c] = float(after[c])
+            if alg.num_clients > 1:
+                report = fairness_report(acc_before, after, alphas, [c], self.eps0, self.eps1)
+                out.mp_request[c] = report["M_p"]
+                out.drop_remaining.append(report["remaining"]["mean"] or 0.0)
+            if audit is not None:
+                out.after_logits.append(audit.logits(res.params, [c]))
+            out.test_after.append(trainer.evaluate(res.params)[0])
+        return out
+
+    def _me(self, costs: Sequence[float], alphas: Tensor) -> float:
+        """M_e of the given costs."""
+        return float(
+            efficiency_fairness(
+                torch.tensor([float(c) for c in costs], dtype=torch.float64), alphas, self.eps_alpha
+            )
+        )
 
     # -- output ----------------------------------------------------------------------------------
     def _write(self, trainer: Any) -> None:
