@@ -21,6 +21,13 @@ from fedshard_lightning.unlearning.base import Algorithm
 __all__ = ["RunStore"]
 
 
+def _same_tensors(a: Any, b: Any) -> bool:
+    """The same tensor objects under the same names (state dicts copy the dict, never the tensors)."""
+    return (
+        isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys() and all(a[k] is b[k] for k in a)
+    )
+
+
 class RunStore:
     """FLCache of one run, bound to the configured run's fingerprint.
 
@@ -57,7 +64,12 @@ class RunStore:
     def commit(
         self, algorithm: Algorithm, label: str, complete: bool, vectorize_mode: str | None
     ) -> str | None:
-        """Commit the algorithm's state as a new version (rank zero); return its name."""
+        """Commit the algorithm's state as a new version (rank zero); return its name.
+
+        Every rank records that a complete state was committed, so all ranks agree on whether
+        ``fit`` still owes its final commit (and on the barrier that follows it).
+        """
+        self.complete_committed = self.complete_committed or bool(complete)
         if not self.write:
             return None
         if algorithm.theta0 is None:
@@ -65,7 +77,7 @@ class RunStore:
         fields, tensors, reuse = algorithm.cache_files(self.cache)
         tensors, reuse = dict(tensors), dict(reuse)
         has_base = self.cache.exists() and "theta0.safetensors" in self.cache.manifest().get("files", {})
-        if has_base and algorithm.theta0 is self._theta0:
+        if has_base and _same_tensors(algorithm.theta0, self._theta0):
             reuse["theta0.safetensors"] = "theta0.safetensors"
         else:
             tensors["theta0.safetensors"] = algorithm.theta0
@@ -85,7 +97,6 @@ class RunStore:
         }
         version = self.cache.commit(self.cache.next_name(label), manifest, tensors, reuse=reuse)
         self._theta0 = algorithm.theta0
-        self.complete_committed = self.complete_committed or bool(complete)
         algorithm.committed(self.cache, version)
         return version
 
