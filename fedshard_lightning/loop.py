@@ -14,13 +14,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 
 from fedshard_lightning.cache import atomic_write_bytes, atomic_write_json
 from fedshard_lightning.engine import FederatedEngine, Group, LocalSchedule, RoundInfo
-from fedshard_lightning.errors import CacheError
+from fedshard_lightning.errors import CacheError, ConfigError
 from fedshard_lightning.loggers import finish_loggers
+from fedshard_lightning.run_dir import Journal, model_is_stale, recover_reports
 from fedshard_lightning.unlearning.context import AlgorithmContext, LoopEvents
 
 __all__ = ["TrainerEvents", "run_fit", "sample_weighted_average"]
@@ -172,3 +175,43 @@ def run_fit(trainer: Any, run_dir: Path, resume: bool, exclude: list[int]) -> di
         f"seconds={seconds:.1f} -> {run_dir}"
     )
     return metrics
+
+
+def launch_fabric(accelerator: str, devices: int | str, strategy: str, precision: str) -> L.Fabric:
+    """Create and launch Fabric (with ``strategy: ddp`` this starts the other processes)."""
+    try:
+        fabric = L.Fabric(accelerator=accelerator, devices=devices, strategy=strategy, precision=precision)
+    except (ValueError, TypeError, RuntimeError, MisconfigurationException) as e:
+        raise ConfigError(
+            f"trainer.accelerator={accelerator!r}, trainer.devices={devices!r}, "
+            f"trainer.strategy={strategy!r}, trainer.precision={precision!r}: {e}"
+        ) from None
+    fabric.launch()
+    return fabric
+
+
+def load_run(trainer: Any, run_dir: Path) -> None:
+    """After setup: restore a finished run's state (fingerprint checked), then repair what a crash left.
+
+    The cache is the truth: ``model.safetensors`` is rewritten when it differs from the cache's
+    current model, and reports or journal lines of committed requests are re-created.
+    """
+    if not trainer.store.cache.exists():
+        raise CacheError(
+            f"{run_dir} has no committed FLCache (cache/CURRENT); was fit interrupted before stage 1?"
+        )
+    manifest = trainer.store.restore(trainer.algorithm, trainer.device, trainer.vectorize)
+    if not manifest.get("complete"):
+        raise CacheError(
+            f"{trainer.store.cache.root}: {trainer.algorithm.progress()}; "
+            "resume it with fit --ckpt_path RUN_DIR first"
+        )
+    if not trainer.is_global_zero:
+        return
+    # The cache is the truth: re-create what a crash after a commit may have left stale.
+    params = trainer.algorithm.current_params()
+    if model_is_stale(run_dir / "model.safetensors", params, trainer.device):
+        trainer._write_model(params)
+    else:
+        trainer._set_params(params)
+    recover_reports(run_dir, trainer.store.cache, trainer.store.requests, Journal(run_dir))

@@ -19,7 +19,6 @@ from typing import Any, Literal
 import lightning as L
 import torch
 from lightning.fabric.loggers import Logger
-from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 
 from fedshard_lightning.cache import FLCache, atomic_save_tensors, load_tensors
@@ -29,15 +28,12 @@ from fedshard_lightning.engine import evaluate
 from fedshard_lightning.errors import CacheError, ConfigError
 from fedshard_lightning.fingerprint import fingerprint
 from fedshard_lightning.loggers import run_loggers
-from fedshard_lightning.loop import TrainerEvents, run_fit
+from fedshard_lightning.loop import TrainerEvents, launch_fabric, load_run, run_fit
 from fedshard_lightning.module import FederatedModule
 from fedshard_lightning.requests import apply_request
 from fedshard_lightning.run_dir import (
-    Journal,
     existing_run_dir,
-    model_is_stale,
     new_run_dir,
-    recover_reports,
     run_lock,
 )
 from fedshard_lightning.store import RunStore
@@ -166,19 +162,7 @@ class FederatedTrainer:
         """Create and launch Fabric once (with ``strategy: ddp`` this starts the other processes)."""
         if self.fabric is not None:
             return
-        try:
-            self.fabric = L.Fabric(
-                accelerator=self.accelerator,
-                devices=self.devices,
-                strategy=self.strategy,
-                precision=self.precision,
-            )
-        except (ValueError, TypeError, RuntimeError, MisconfigurationException) as e:
-            raise ConfigError(
-                f"trainer.accelerator={self.accelerator!r}, trainer.devices={self.devices!r}, "
-                f"trainer.strategy={self.strategy!r}, trainer.precision={self.precision!r}: {e}"
-            ) from None
-        self.fabric.launch()
+        self.fabric = launch_fabric(self.accelerator, self.devices, self.strategy, self.precision)
 
     def _setup(
         self, model: FederatedModule, datamodule: FederatedDataModule, run_dir: Path, command: str
@@ -271,25 +255,7 @@ class FederatedTrainer:
     ) -> None:
         run_dir = existing_run_dir(ckpt_path, command)
         self._setup(model, datamodule, run_dir, command)
-        if not self.store.cache.exists():
-            raise CacheError(
-                f"{run_dir} has no committed FLCache (cache/CURRENT); was fit interrupted before stage 1?"
-            )
-        manifest = self.store.restore(self.algorithm, self.device, self.vectorize)
-        if not manifest.get("complete"):
-            raise CacheError(
-                f"{self.store.cache.root}: {self.algorithm.progress()}; "
-                "resume it with fit --ckpt_path RUN_DIR first"
-            )
-        if not self.is_global_zero:
-            return
-        # The cache is the truth: re-create what a crash after a commit may have left stale.
-        params = self.algorithm.current_params()
-        if model_is_stale(run_dir / "model.safetensors", params, self.device):
-            self._write_model(params)
-        else:
-            self._set_params(params)
-        recover_reports(run_dir, self.store.cache, self.store.requests, Journal(run_dir))
+        load_run(self, run_dir)
 
     def test(
         self, model: FederatedModule, datamodule: FederatedDataModule, ckpt_path: str | None = None
