@@ -16,11 +16,11 @@ from fedshard_lightning.cache import FLCache
 from fedshard_lightning.callbacks import FederatedCallback
 from fedshard_lightning.data import SyntheticDataModule
 from fedshard_lightning.engine import Group, stack_params, unstack_params
-from fedshard_lightning.errors import CacheError, FedShardError
+from fedshard_lightning.errors import CacheError, ConfigError, FedShardError
 from fedshard_lightning.models import MLP
 from fedshard_lightning.run_dir import run_lock
 from fedshard_lightning.trainer import FederatedTrainer
-from fedshard_lightning.unlearning import Algorithm, FedShard, UnlearnResult
+from fedshard_lightning.unlearning import FATS, Algorithm, FedAvg, FedEraser, FedShard, UnlearnResult
 
 
 class StagedFedAvg(Algorithm):
@@ -248,3 +248,23 @@ def test_per_round_and_per_stage_accuracy_weight_shards_alike(run_root):
         last = [m for m in curves.rounds if m["stage"] == stage][-1]
         assert metrics["test_loss"] == pytest.approx(last["test_loss"], abs=1e-12)
         assert metrics["test_accuracy"] == last["test_accuracy"]
+
+
+@pytest.mark.parametrize(
+    "make", [lambda: FedAvg(rounds=2, batch_size=5), lambda: FATS(rounds=3, sample_size=3, batch_size=5)]
+)
+def test_every_exact_method_gets_the_generic_audit(run_root, make):
+    trainer = _trainer(run_root, make())
+    trainer.fit(_model(), _data())
+    _trainer(run_root, make()).unlearn(_model(), _data(), str(trainer.run_dir), [2])
+    result = _trainer(run_root, make()).audit(_model(), _data(), str(trainer.run_dir), tolerance=1e-12)
+    assert result["passed"] and result["max_abs_diff"] == 0.0
+
+
+def test_an_approximate_method_refuses_audit(run_root):
+    trainer = _trainer(run_root, FedEraser(rounds=2, batch_size=5, local_epochs=2))
+    trainer.fit(_model(), _data())
+    with pytest.raises(ConfigError, match="does not support audit"):
+        _trainer(run_root, FedEraser(rounds=2, batch_size=5, local_epochs=2)).audit(
+            _model(), _data(), str(trainer.run_dir)
+        )
