@@ -150,6 +150,15 @@ class FedShard(ShardCache, Algorithm):
             "stage_seconds": [],
         }
 
+    def reset(self, theta0: dict[str, Tensor], exclude: Sequence[int] = ()) -> None:
+        """A fresh fit; the tree always holds every client, so excluding some up front is refused."""
+        if exclude:
+            raise ConfigError(
+                f"exclude_clients={sorted(exclude)}: FedShard builds its tree with every client; fit with all "
+                "of them and unlearn these afterwards (audit then checks the result)"
+            )
+        super().reset(theta0)
+
     def is_complete(self) -> bool:
         """Every planned stage is trained."""
         return len(self.records) == self.planned_stages

@@ -268,3 +268,10 @@ def test_an_approximate_method_refuses_audit(run_root):
         _trainer(run_root, FedEraser(rounds=2, batch_size=5, local_epochs=2)).audit(
             _model(), _data(), str(trainer.run_dir)
         )
+
+
+def test_fedshard_refuses_to_exclude_clients_up_front(run_root):
+    with pytest.raises(ConfigError, match="exclude_clients"):
+        _trainer(run_root, FedShard(rounds="fixed", fixed_rounds=2, batch_size=5)).fit(
+            _model(), _data(), exclude_clients=[1]
+        )
