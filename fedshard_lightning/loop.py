@@ -114,10 +114,11 @@ class TrainerEvents(LoopEvents):
         self.checkpoint(f"stage-{stage}")
         self.trainer.fabric.call("on_stage_end", self.trainer, stage=stage, metrics=metrics or {})
 
-    def checkpoint(self, label: str) -> None:
-        """Commit the algorithm's state now."""
+    def checkpoint(self, label: str, complete: bool | None = None) -> None:
+        """Commit the algorithm's state now (complete: as the algorithm says, unless told)."""
         t = self.trainer
-        t.store.commit(t.algorithm, label, t.algorithm.is_complete(), t.algorithm.engine.mode)
+        complete = t.algorithm.is_complete() if complete is None else complete
+        t.store.commit(t.algorithm, label, complete, t.algorithm.engine.mode)
         t.fabric.barrier()
 
     def evaluate(self, params: dict[str, Tensor]) -> tuple[float, float]:
@@ -150,7 +151,7 @@ def run_fit(trainer: Any, run_dir: Path, resume: bool, exclude: list[int]) -> di
     trainer.fabric.call("on_fit_start", trainer)
     params = alg.current_params() if finished else alg.fit()
     if not trainer.store.complete_committed:  # the algorithm reported no final stage: commit it here
-        trainer._events.checkpoint("fit")
+        trainer._events.checkpoint("fit", complete=True)  # fit returned: the state is final
     seconds = time.perf_counter() - t0
     acc, loss = trainer.evaluate(params)
     metrics = {
