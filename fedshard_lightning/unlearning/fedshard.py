@@ -105,7 +105,6 @@ class FedShard(ShardCache, Algorithm):
             raise ConfigError(f"algorithm.t0={t0!r}, algorithm.t1={t1!r}: need integers with 1 <= t0 <= t1")
         self.merge_rate = merge_rate
         self.merge_policy = _merge_policy(merge)
-        self.merge_name = merge if isinstance(merge, str) else type(merge).__name__
         if isinstance(rounds, RoundPolicy):
             self.round_policy = rounds
         elif rounds == "a2":
@@ -118,7 +117,6 @@ class FedShard(ShardCache, Algorithm):
             raise ConfigError(
                 f"algorithm.rounds={rounds!r}: choose a2, fixed, auto or a RoundPolicy class_path"
             )
-        self.rounds_name = rounds if isinstance(rounds, str) else type(rounds).__name__
         self.t0, self.t1, self.fixed_rounds = t0, t1, fixed_rounds
         self.merge_weighting = merge_weighting
         self._fresh_round_policy = self.round_policy.state_dict()
@@ -128,9 +126,7 @@ class FedShard(ShardCache, Algorithm):
         self.stage_seconds: list[float] = []
         self._sizes: list[int] = []
         self._steps: list[int] = []
-        # (cache root, version, {stage: models}): the in-memory stage models that are the files of
-        # that committed version, so the next commit hard-links the stages that did not change.
-        self._committed: tuple[str, str, dict[int, dict[str, Tensor]]] | None = None
+        self._committed = None  # see ShardCache
 
     def setup(self, ctx: AlgorithmContext) -> None:
         """Build the engine; remember every client's sample count and local steps per round."""

@@ -70,6 +70,8 @@ class ShardCache:
     models: list[dict[str, Tensor]]
     merge_rate: int
     _committed: tuple[str, str, dict[int, dict[str, Tensor]]] | None = None
+    """(cache root, version, {stage: models}): the in-memory stage models that are the files of that
+    committed version, so the next commit hard-links the stages that did not change."""
 
     def cache_files(
         self, cache: FLCache
