@@ -315,7 +315,7 @@ def run_ours(path: str, quiet: bool) -> tuple[RunResult, dict[str, Tensor]]:
         metrics = trainer.fit(model, dm)
         total = time.perf_counter() - t0
     startup = stamps["fit_start"] - t0
-    theta0_diff = max(float((trainer.theta0[k] - v).abs().max()) for k, v in w.init.items())
+    theta0_diff = max(float((trainer.algorithm.theta0[k] - v).abs().max()) for k, v in w.init.items())
     if theta0_diff != 0.0:
         raise RuntimeError(f"the trainer started from other weights than the workload file ({theta0_diff})")
     result = RunResult(

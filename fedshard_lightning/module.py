@@ -42,11 +42,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedshard_lightning.errors import ConfigError, ContractError
+from fedshard_lightning.init_args import RecordsInitArgs
 
 __all__ = ["FederatedModule"]
 
 
-class FederatedModule(L.LightningModule):
+class FederatedModule(RecordsInitArgs, L.LightningModule):
     """Base class of every model trained by the federated engine.
 
     Args:

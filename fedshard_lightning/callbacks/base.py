@@ -12,7 +12,7 @@ Hooks, in the order they fire during ``fit``:
 * ``on_stage_merge(trainer, stage, groups, alphas, rounds)``: FedShard's merge decision (A1) and
   round allocation (A2) for the new stage.
 * ``on_round_end(trainer, info, metrics)``: after each FedAvg round of a stage.
-* ``on_stage_end(trainer, stage, metrics)``: a stage is complete (FLCache is written here).
+* ``on_stage_end(trainer, stage, metrics)``: a stage is complete (the trainer has committed it to FLCache).
 * ``on_fit_end(trainer, metrics)``
 
 and ``on_test_end(trainer, metrics)``, ``on_unlearn_start(trainer, clients)``,

@@ -6,10 +6,10 @@ client ``c``, "what would it cost to unlearn ``c`` alone?":
 
 * ``mode="predicted"``: ``Z_c`` = ``algorithm.predict_cost([c])`` client-steps, for every client,
   without training (cheap: a walk over the frozen tree / the round schedule).
-* ``mode="measured"``: every client of the sample is actually unlearned alone with
-  ``algorithm.unlearn([c])`` (seconds and client-steps recorded); after each request the
-  committed state is restored with ``algorithm.load_cache(trainer.cache)``, so the next request
-  starts again from the fitted model and nothing of the run (model file, cache) changes.
+* ``mode="measured"``: every client of the sample is actually unlearned alone with the pure
+  ``algorithm.what_if(state, [c])`` (seconds and client-steps recorded): each request starts
+  from the fitted state, and nothing of the run (algorithm state, model file, cache, request
+  log) changes.
 
 What "after" means for M_p (our reading of the paper, documented in ``docs/fairness.md``):
 the paper defines ``M_p`` for *one* unlearning request that splits the clients into leaving
@@ -31,7 +31,9 @@ in client-steps always (``M_e_steps``, deterministic); ``summary["M_e"]`` is the
 in measured mode and the client-step version in predicted mode.
 
 Membership inference (SPEC section 10, :mod:`fedshard_lightning.metrics.mia`): see
-:class:`MembershipAudit`. ``mia_f1_before`` scores the fitted model on the evaluated clients'
+:class:`~fedshard_lightning.metrics.membership.MembershipAudit`. Per-request drops and M_p come
+from :func:`~fedshard_lightning.metrics.fairness_report.fairness_report`, the same function the
+cascade and poisoning experiments use; the plots from :mod:`fedshard_lightning.callbacks.plots`. ``mia_f1_before`` scores the fitted model on the evaluated clients'
 data; ``mia_f1_after`` pools, over the measured requests, the model after unlearning ``c`` on
 ``c``'s data.
 
@@ -47,7 +49,7 @@ import math
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -56,11 +58,12 @@ import torch
 from torch import Tensor
 
 from fedshard_lightning.callbacks.base import FederatedCallback
-from fedshard_lightning.engine import predict_logits
+from fedshard_lightning.callbacks.plots import plot_cost_distribution, plot_round_accuracy
 from fedshard_lightning.errors import ConfigError
-from fedshard_lightning.metrics.client_alpha import client_alphas, per_client_accuracy, sample_logits
-from fedshard_lightning.metrics.fairness import efficiency_fairness, performance_fairness
-from fedshard_lightning.metrics.mia import MembershipInferenceAttack
+from fedshard_lightning.metrics.client_alpha import client_alphas, per_client_accuracy
+from fedshard_lightning.metrics.fairness import efficiency_fairness
+from fedshard_lightning.metrics.fairness_report import fairness_report
+from fedshard_lightning.metrics.membership import MembershipAudit
 
 __all__ = [
     "CLIENT_COLUMNS",
@@ -86,222 +89,6 @@ CLIENT_COLUMNS = (
 """Columns of ``fairness/clients.csv`` (and of the W&B table)."""
 
 
-# --------------------------------------------------------------------------------------------------
-# Membership inference protocol
-# --------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class _MIASplit:
-    fit_members: Tensor
-    eval_members: dict[int, Tensor]
-    fit_nonmembers: Tensor
-    eval_nonmembers: Tensor
-
-
-class MembershipAudit:
-    """The MIA protocol of :mod:`fedshard_lightning.metrics.mia` on a federated datamodule.
-
-    * The test set is split in two disjoint halves (seeded): one gives the attack's fitting
-      non-members, the other the evaluation non-members.
-    * Fitting members: the training samples of every client that is *not* evaluated (not in
-      ``leaving``), scored by the reference (original, non-unlearned) model. If every client is
-      evaluated, each client's samples are split in two seeded halves instead: one half fits the
-      attack, the other is scored, so the attack is never scored on a sample it was fitted on.
-    * Evaluation members: the (scored part of the) leaving clients' samples, under the model being
-      evaluated; non-members: the evaluation half of the test set under the same model.
-
-    Args:
-        module: The model (its own parameters are not used).
-        datamodule: The federated datamodule (set up, on the module's device).
-        reference_params: The original model the attack is fitted on.
-        leaving: Clients whose membership is evaluated.
-        seed: Seeds the splits, the balancing subsamples and the attack classifier.
-        classifier: Attack model, see :class:`~fedshard_lightning.metrics.MembershipInferenceAttack`.
-    """
-
-    def __init__(
-        self,
-        module: Any,
-        datamodule: Any,
-        reference_params: dict[str, Tensor],
-        leaving: Sequence[int],
-        seed: int = 0,
-        classifier: str = "gradient_boosting",
-    ) -> None:
-        self.module, self.dm = module, datamodule
-        self.leaving = sorted(int(c) for c in leaving)
-        if not self.leaving:
-            raise ValueError("MembershipAudit: name at least one leaving client")
-        self.seed = int(seed)
-        self.split = self._split()
-        self.attack = MembershipInferenceAttack(classifier=classifier, seed=self.seed)
-        dtype = next(iter(reference_params.values())).dtype
-        self._test_x, _ = datamodule.test_data(dtype)
-        self.attack.fit(
-            sample_logits(module, reference_params, datamodule, self.split.fit_members),
-            self._test_logits(reference_params, self.split.fit_nonmembers),
-        )
-
-    def _split(self) -> _MIASplit:
-        rng = np.random.default_rng([self.seed, 7_177])
-        n_test = len(self.dm.test_y)
-        perm = torch.as_tensor(rng.permutation(n_test), dtype=torch.long)
-        fit_non, eval_non = perm[: n_test // 2].sort().values, perm[n_test // 2 :].sort().values
-        parts = self.dm.client_indices
-        others = [parts[c].cpu() for c in range(len(parts)) if c not in set(self.leaving)]
-        others = [o for o in others if len(o)]
-        if others:
-            fit = torch.cat(others)
-            scored = {c: parts[c].cpu() for c in self.leaving}
-        else:
-            fit_parts, scored = [], {}
-            for c in self.leaving:
-                idx = parts[c].cpu()
-                shuffled = idx[torch.as_tensor(rng.permutation(len(idx)), dtype=torch.long)]
-                half = len(idx) // 2
-                fit_parts.append(shuffled[:half])
-                scored[c] = shuffled[half:].sort().values
-            fit = torch.cat(fit_parts)
-        return _MIASplit(fit.sort().values, scored, fit_non, eval_non)
-
-    def _test_logits(self, params: dict[str, Tensor], idx: Tensor) -> Tensor:
-        return predict_logits(self.module, params, self._test_x[idx.to(self._test_x.device)])
-
-    def logits(
-        self, params: dict[str, Tensor], clients: Sequence[int] | None = None
-    ) -> tuple[Tensor, Tensor]:
-        """Member logits (the clients' scored samples) and non-member logits (test half) of a model."""
-        ids = self.leaving if clients is None else [int(c) for c in clients]
-        unknown = sorted(set(ids) - set(self.split.eval_members))
-        if unknown:
-            raise ValueError(f"MembershipAudit: clients {unknown} are not among the audited {self.leaving}")
-        members_idx = torch.cat([self.split.eval_members[c] for c in ids])
-        return (
-            sample_logits(self.module, params, self.dm, members_idx).cpu(),
-            self._test_logits(params, self.split.eval_nonmembers).cpu(),
-        )
-
-    def f1(self, params: dict[str, Tensor], clients: Sequence[int] | None = None) -> float:
-        """Attack F1 of a model on the clients' data (default: all leaving clients) vs test data."""
-        return self.attack.f1(*self.logits(params, clients))
-
-    def pooled_f1(self, pairs: Sequence[tuple[Tensor, Tensor]]) -> float:
-        """F1 over the concatenated (members, non-members) logits of several models."""
-        members = torch.cat([m for m, _ in pairs])
-        nonmembers = torch.cat([n for _, n in pairs])
-        return self.attack.f1(members, nonmembers)
-
-
-# --------------------------------------------------------------------------------------------------
-# Plots
-# --------------------------------------------------------------------------------------------------
-
-
-def _figure(width: float, height: float) -> Any:
-    from matplotlib.figure import Figure  # Agg canvas, no pyplot, no global backend state
-
-    return Figure(figsize=(width, height), dpi=100, layout="constrained")
-
-
-def plot_cost_distribution(
-    costs: dict[str, Sequence[float]],
-    path: str | Path,
-    alphas: Sequence[float] | None = None,
-    alpha_costs: Sequence[float] | None = None,
-    title: str = "Unlearning cost per client",
-) -> Path:
-    """Violin + box + points of unlearning costs over clients, one panel per cost unit.
-
-    Like the paper's cost-distribution figure (unlearning cost of every single-client request).
-    With ``alphas``, a last panel shows the cost against ``|alpha_c|``: the relation M_e weighs.
-
-    Args:
-        costs: Panel title (e.g. ``"client-steps"``) -> cost of every client.
-        path: Output PNG.
-        alphas: Client alphas, aligned with ``alpha_costs``.
-        alpha_costs: Costs plotted against ``|alpha|`` (default: the first panel's).
-        title: Figure title.
-    """
-    panels = [(k, np.asarray(v, dtype=np.float64)) for k, v in costs.items() if len(v)]
-    n = len(panels) + (1 if alphas is not None and len(alphas) else 0)
-    fig = _figure(4.2 * max(n, 1), 4.0)
-    axes = fig.subplots(1, max(n, 1), squeeze=False)[0]
-    rng = np.random.default_rng(0)
-    for ax, (label, vals) in zip(axes, panels):
-        if np.ptp(vals) > 0 and len(vals) > 1:
-            parts = ax.violinplot(vals, positions=[1], showextrema=False, widths=0.8)
-            for body in parts["bodies"]:
-                body.set_alpha(0.35)
-        ax.boxplot(vals, positions=[1], widths=0.25, showfliers=False)
-        ax.scatter(1 + rng.uniform(-0.18, 0.18, len(vals)), vals, s=12, alpha=0.7, color="tab:red", zorder=3)
-        ax.axhline(float(vals.mean()), color="tab:green", ls="--", lw=1, label=f"mean {vals.mean():.4g}")
-        ax.set_xticks([1], [f"{len(vals)} clients"])
-        ax.set_ylabel(f"unlearning cost ({label})")
-        ax.set_title(f"{label}: std {vals.std():.3g}")
-        ax.legend(loc="best", fontsize=8)
-    if n > len(panels):
-        ax = axes[-1]
-        ys = np.asarray(alpha_costs if alpha_costs is not None else panels[0][1], dtype=np.float64)
-        ax.scatter(np.abs(np.asarray(alphas, dtype=np.float64)), ys, s=14, color="tab:blue")
-        ax.set_xlabel("|alpha_c| (rad)")
-        ax.set_ylabel("unlearning cost")
-        ax.set_title("cost vs contribution")
-    fig.suptitle(title)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    return path
-
-
-def plot_round_accuracy(history: Sequence[dict[str, float]], path: str | Path, title: str = "") -> Path:
-    """Test accuracy (and train loss) per global round, with a vertical line at every stage boundary.
-
-    Like the paper's ablation figure (global model accuracy through FedShard's stages). Rounds
-    without a test evaluation (``eval_every_n_rounds``) are skipped in the accuracy curve.
-    """
-    fig = _figure(7.5, 4.0)
-    ax = fig.subplots()
-    xs = [h.get("global_round", i + 1) for i, h in enumerate(history)]
-    acc = [(x, h["test_accuracy"]) for x, h in zip(xs, history) if "test_accuracy" in h]
-    loss = [(x, h["train_loss"]) for x, h in zip(xs, history) if "train_loss" in h]
-    if acc:
-        ax.plot(*zip(*acc), marker="o", ms=3, color="tab:blue", label="test accuracy")
-    ax.set_xlabel("global round")
-    ax.set_ylabel("test accuracy", color="tab:blue")
-    handles = list(ax.get_lines())
-    if loss:
-        ax2 = ax.twinx()
-        ax2.plot(*zip(*loss), color="tab:orange", ls="--", lw=1, label="train loss")
-        ax2.set_ylabel("train loss", color="tab:orange")
-        handles += list(ax2.get_lines())
-    if handles:
-        ax.legend(handles, [h.get_label() for h in handles], loc="center right", fontsize=8)
-    if not history:
-        ax.text(0.5, 0.5, "no rounds recorded", ha="center", va="center", transform=ax.transAxes)
-    stages = [h.get("stage") for h in history]
-    starts = [0] + [i for i in range(1, len(stages)) if stages[i] != stages[i - 1]]
-    for j, i in enumerate(starts):
-        if i > 0:
-            ax.axvline(xs[i] - 0.5, color="gray", ls=":", lw=1.2)
-        end = starts[j + 1] if j + 1 < len(starts) else len(stages)
-        mid = (xs[i] + xs[end - 1]) / 2
-        ax.text(
-            mid, 1.01, f"stage {int(stages[i])}", transform=ax.get_xaxis_transform(), ha="center", fontsize=8
-        )
-    ax.grid(alpha=0.3)
-    fig.suptitle(title or "Global model accuracy per round")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    return path
-
-
-# --------------------------------------------------------------------------------------------------
-# The callback
-# --------------------------------------------------------------------------------------------------
-
-
 def _stats(values: Sequence[float]) -> dict[str, float | None]:
     vals = [float(v) for v in values]
     if not vals:
@@ -322,6 +109,19 @@ def _clean(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value
+
+
+@dataclass
+class _Measured:
+    """What the measured requests gave, by client."""
+
+    z_steps: dict[int, int] = field(default_factory=dict)
+    z_sec: dict[int, float] = field(default_factory=dict)
+    acc_after: dict[int, float] = field(default_factory=dict)
+    mp_request: dict[int, float] = field(default_factory=dict)
+    drop_remaining: list[float] = field(default_factory=list)
+    after_logits: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+    test_after: list[float] = field(default_factory=list)
 
 
 def _retrain_cost(alg: Any, client: int) -> int | None:
@@ -420,8 +220,6 @@ class UnlearningReplay(FederatedCallback):
         population = self._population(alg)
         chosen = self._sampled(population)
         measured = self.mode == "measured"
-        if measured and (trainer.cache is None or not trainer.cache.exists()):
-            raise ConfigError("UnlearningReplay(mode='measured') needs the run's committed FLCache")
         split = "holdout" if self.holdout else "train"
 
         reference = {n: v.detach().clone() for n, v in alg.current_params().items()}
@@ -437,55 +235,15 @@ class UnlearningReplay(FederatedCallback):
             audit = MembershipAudit(module, dm, reference, chosen, self.seed, self.mia_classifier)
         f1_before = audit.f1(reference) if audit is not None else None
 
-        z_steps: dict[int, int] = {}
-        z_sec: dict[int, float] = {}
-        acc_after: dict[int, float] = {}
-        mp_request: dict[int, float] = {}
-        drop_remaining: list[float] = []
-        after_logits: list[tuple[Tensor, Tensor]] = []
-        test_after: list[float] = []
-        if measured:
-            for c in chosen:
-                try:
-                    res = alg.unlearn([c])
-                    z_steps[c], z_sec[c] = int(res.client_steps), float(res.seconds)
-                    after = per_client_accuracy(module, res.params, dm, split)
-                    delta = torch.nan_to_num(acc_before - after, nan=0.0)
-                    acc_after[c] = float(after[c])
-                    if k > 1:
-                        mask = torch.zeros(k, dtype=torch.bool)
-                        mask[c] = True
-                        mp_request[c] = float(performance_fairness(delta, alphas, mask, self.eps0, self.eps1))
-                        drop_remaining.append(float(delta[~mask].mean()))
-                    if audit is not None:
-                        after_logits.append(audit.logits(res.params, [c]))
-                    test_after.append(trainer.evaluate(res.params)[0])
-                finally:
-                    alg.load_cache(trainer.cache)  # back to the committed (fitted) state
-        f1_after = audit.pooled_f1(after_logits) if audit is not None and after_logits else None
+        m = self._measure(trainer, chosen, acc_before, alphas, audit, split) if measured else _Measured()
+        z_steps, z_sec, acc_after, mp_request = m.z_steps, m.z_sec, m.acc_after, m.mp_request
+        f1_after = audit.pooled_f1(m.after_logits) if audit is not None and m.after_logits else None
 
         pop_alpha = alphas[population]
         me_clients = chosen if measured else population
-        steps_costs = torch.tensor(
-            [float(z_steps[c] if measured else z_pred[c]) for c in me_clients], dtype=torch.float64
-        )
-        me_steps = float(efficiency_fairness(steps_costs, alphas[me_clients], self.eps_alpha))
-        me_pred = float(
-            efficiency_fairness(
-                torch.tensor([float(z_pred[c]) for c in population], dtype=torch.float64),
-                pop_alpha,
-                self.eps_alpha,
-            )
-        )
-        me_sec = None
-        if z_sec:
-            me_sec = float(
-                efficiency_fairness(
-                    torch.tensor([z_sec[c] for c in chosen], dtype=torch.float64),
-                    alphas[chosen],
-                    self.eps_alpha,
-                )
-            )
+        me_steps = self._me([z_steps[c] if measured else z_pred[c] for c in me_clients], alphas[me_clients])
+        me_pred = self._me([z_pred[c] for c in population], pop_alpha)
+        me_sec = self._me([z_sec[c] for c in chosen], alphas[chosen]) if z_sec else None
 
         self.rows = []
         for c in population:
@@ -542,11 +300,9 @@ class UnlearningReplay(FederatedCallback):
             "alpha_abs_mean": float(pop_alpha.abs().mean()),
             "acc_before_mean": float(torch.nan_to_num(acc_before[population]).mean()),
             "delta_acc_leaving_mean": (sum(leaving_drop) / len(leaving_drop)) if leaving_drop else None,
-            "delta_acc_remaining_mean": (
-                sum(drop_remaining) / len(drop_remaining) if drop_remaining else None
-            ),
+            "delta_acc_remaining_mean": _stats(m.drop_remaining)["mean"],
             "test_accuracy": (metrics or {}).get("test_accuracy"),
-            "test_accuracy_after_mean": (sum(test_after) / len(test_after)) if test_after else None,
+            "test_accuracy_after_mean": _stats(m.test_after)["mean"],
             "probe_seconds": probe_seconds,
             "accuracy_split": split,
             "eps_alpha": self.eps_alpha,
@@ -557,6 +313,34 @@ class UnlearningReplay(FederatedCallback):
         self.summary = _clean(summary)
         self._write(trainer)
         return self.summary
+
+    def _measure(
+        self, trainer: Any, chosen: list[int], acc_before: Tensor, alphas: Tensor, audit: Any, split: str
+    ) -> _Measured:
+        """Unlearn every chosen client alone with the pure ``what_if`` (each from the fitted state)."""
+        alg, module, dm = trainer.algorithm, trainer.module, trainer.datamodule
+        out, fitted = _Measured(), alg.state_dict()
+        for c in chosen:
+            _, res = alg.what_if(fitted, [c])
+            out.z_steps[c], out.z_sec[c] = int(res.client_steps), float(res.seconds)
+            after = per_client_accuracy(module, res.params, dm, split)
+            out.acc_after[c] = float(after[c])
+            if alg.num_clients > 1:
+                report = fairness_report(acc_before, after, alphas, [c], self.eps0, self.eps1)
+                out.mp_request[c] = report["M_p"]
+                out.drop_remaining.append(report["remaining"]["mean"] or 0.0)
+            if audit is not None:
+                out.after_logits.append(audit.logits(res.params, [c]))
+            out.test_after.append(trainer.evaluate(res.params)[0])
+        return out
+
+    def _me(self, costs: Sequence[float], alphas: Tensor) -> float:
+        """M_e of the given costs."""
+        return float(
+            efficiency_fairness(
+                torch.tensor([float(c) for c in costs], dtype=torch.float64), alphas, self.eps_alpha
+            )
+        )
 
     # -- output ----------------------------------------------------------------------------------
     def _write(self, trainer: Any) -> None:

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fedshard_lightning.data.base import FederatedDataModule
-from fedshard_lightning.data.download import RemoteFile, fetch, load_or_download, missing_files_error
+from fedshard_lightning.data.download import RemoteFile
+from fedshard_lightning.data.files import FileDataModule
 from fedshard_lightning.errors import DataError
 
 __all__ = ["ADULT_COLUMNS", "AdultDataModule", "encode_adult", "read_adult_csv"]
@@ -114,7 +114,7 @@ def encode_adult(train_rows: list[list[str]], test_rows: list[list[str]]) -> tup
     return np.hstack(train_cols).astype(np.float32), np.hstack(test_cols).astype(np.float32)
 
 
-class AdultDataModule(FederatedDataModule):
+class AdultDataModule(FileDataModule):
     """Adult: 30,162 training and 15,060 test rows (after dropping missing values), 2 classes.
 
     Reads ``adult.data`` and ``adult.test`` from ``<data_dir>/adult``; ``download: true`` fetches
@@ -146,39 +146,19 @@ class AdultDataModule(FederatedDataModule):
         ),
     )
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._pending_test: tuple[Tensor, Tensor] | None = None
-
-    @property
-    def root(self) -> Path:
-        """Folder holding this dataset's files."""
-        return Path(self.data_dir) / self.folder
-
-    def prepare_data(self) -> None:
-        """Fetch and verify both CSV files when ``download`` is set; otherwise do nothing."""
-        if self.download:
-            for file in self.resources:
-                fetch(file, self.root)
-
-    def load_split(self, train: bool) -> tuple[Tensor, Tensor]:
+    def read_split(self, train: bool) -> tuple[Tensor, Tensor]:
         """Parse and encode both files together (the test encoding needs the training statistics)."""
-        return load_or_download(self, self._read_split, train)
+        return self.split_of_both(train, self._read_both)
 
-    def _read_split(self, train: bool) -> tuple[Tensor, Tensor]:
-        if not train and self._pending_test is not None:
-            out, self._pending_test = self._pending_test, None
-            return out
+    def _read_both(self) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
         paths = [self.root / f.name for f in self.resources]
         if not all(p.is_file() for p in paths):
-            raise missing_files_error(self.dataset_name, self.root, [p.name for p in paths], self.source)
+            raise self.missing()
         (train_rows, y_train), (test_rows, y_test) = read_adult_csv(paths[0]), read_adult_csv(paths[1])
         if not train_rows:
             raise DataError(f"{paths[0]}: no complete rows")
         x_train, x_test = encode_adult(train_rows, test_rows)
-        train_split = (torch.from_numpy(x_train), torch.from_numpy(y_train))
-        test_split = (torch.from_numpy(x_test), torch.from_numpy(y_test))
-        if train:
-            self._pending_test = test_split  # handed out (and dropped) by the next load_split(False)
-            return train_split
-        return test_split
+        return (torch.from_numpy(x_train), torch.from_numpy(y_train)), (
+            torch.from_numpy(x_test),
+            torch.from_numpy(y_test),
+        )

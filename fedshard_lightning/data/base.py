@@ -20,13 +20,18 @@ from torch import Tensor
 
 from fedshard_lightning.data.partition import dirichlet_partition, iid_partition, label_split_partition
 from fedshard_lightning.errors import ConfigError
+from fedshard_lightning.init_args import RecordsInitArgs, init_args
 
 __all__ = ["FederatedDataModule"]
 
 Partition = Literal["iid", "dirichlet", "label_split"]
 
 
-class FederatedDataModule(L.LightningDataModule):
+LOCATION_ARGS = frozenset({"data_dir", "download"})
+"""Constructor arguments that change where files come from, never what they hold."""
+
+
+class FederatedDataModule(RecordsInitArgs, L.LightningDataModule):
     """Base class of every dataset: partition into clients, normalise on gather.
 
     Subclasses implement :meth:`load_split` and may set ``mean``/``std`` (per channel for images,
@@ -95,16 +100,15 @@ class FederatedDataModule(L.LightningDataModule):
         raise NotImplementedError(f"{type(self).__name__} must implement load_split(train)")
 
     def hparams_for_fingerprint(self) -> dict:
-        """Settings that change the data; part of the cache fingerprint."""
+        """The constructor arguments (recorded, never listed by hand) except where files live.
+
+        ``data_dir`` and ``download`` (:data:`LOCATION_ARGS`) only say where the samples come
+        from; :meth:`fingerprint` hashes the samples' labels and the partition themselves.
+        """
+        args = init_args(self)
         return {
-            "class": f"{type(self).__module__}.{type(self).__qualname__}",
-            "num_clients": self.num_clients,
-            "partition": self.partition,
-            "rho": self.rho,
-            "min_client_size": self.min_client_size,
-            "label_split_fraction": self.label_split_fraction,
-            "holdout_fraction": self.holdout_fraction,
-            "seed": self.seed,
+            "class": args["class_path"],
+            **{k: v for k, v in args["init_args"].items() if k not in LOCATION_ARGS},
         }
 
     # -- lifecycle ---------------------------------------------------------------------------

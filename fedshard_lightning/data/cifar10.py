@@ -20,8 +20,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fedshard_lightning.data.base import FederatedDataModule
-from fedshard_lightning.data.download import RemoteFile, extract, fetch, load_or_download, missing_files_error
+from fedshard_lightning.data.download import RemoteFile, extract, missing_files_error
+from fedshard_lightning.data.files import FileDataModule
 from fedshard_lightning.errors import DataError
 
 __all__ = ["CIFAR10DataModule", "RestrictedUnpickler", "read_cifar_batch", "read_cifar_batches"]
@@ -152,7 +152,7 @@ def cifar_labels(batch: dict[bytes, Any], key: bytes, n: int, num_classes: int, 
     return labels
 
 
-class CIFAR10DataModule(FederatedDataModule):
+class CIFAR10DataModule(FileDataModule):
     """CIFAR-10: 50,000 training and 10,000 test images as uint8 [N, 3, 32, 32], 10 classes.
 
     Reads ``cifar-10-batches-py/data_batch_1..5`` and ``test_batch`` under ``<data_dir>/cifar10``
@@ -182,31 +182,22 @@ class CIFAR10DataModule(FederatedDataModule):
         ),
     )
 
-    @property
-    def root(self) -> Path:
-        """Folder holding this dataset's files."""
-        return Path(self.data_dir) / self.folder
-
     def _all_members(self) -> list[str]:
         return [*self.train_members, *self.test_members]
 
-    def prepare_data(self) -> None:
-        """Fetch and extract the archive when ``download`` is set and the batches are not there yet."""
-        if not self.download:
-            return
-        if all((self.root / self.batch_folder / m).is_file() for m in self._all_members()):
-            return
-        for file in self.resources:
-            extract(fetch(file, self.root), self.root)
+    def present(self) -> bool:
+        """Every batch is extracted already."""
+        return all((self.root / self.batch_folder / m).is_file() for m in self._all_members())
+
+    def unpack(self, path: Path) -> None:
+        """Extract the archive."""
+        extract(path, self.root)
 
     def _labels_of(self, batch: dict[bytes, Any], n: int, source: str) -> np.ndarray:
         return cifar_labels(batch, b"labels", n, 10, source)
 
-    def load_split(self, train: bool) -> tuple[Tensor, Tensor]:
+    def read_split(self, train: bool) -> tuple[Tensor, Tensor]:
         """Concatenate the split's batches into uint8 [N, 3, 32, 32] and int64 [N]."""
-        return load_or_download(self, self._read_split, train)
-
-    def _read_split(self, train: bool) -> tuple[Tensor, Tensor]:
         members = list(self.train_members if train else self.test_members)
         batches = read_cifar_batches(
             self.root,

@@ -52,10 +52,6 @@ class CIFAR100DataModule(CIFAR10DataModule):
             raise ConfigError(f"data.label={label!r}: choose fine (100 classes) or coarse (20 superclasses)")
         self.label = label
 
-    def hparams_for_fingerprint(self) -> dict:
-        """Base settings plus the label granularity."""
-        return {**super().hparams_for_fingerprint(), "label": self.label}
-
     def _labels_of(self, batch: dict[bytes, Any], n: int, source: str) -> np.ndarray:
         key, num_classes = _LABELS[self.label]
         return cifar_labels(batch, key, n, num_classes, source)

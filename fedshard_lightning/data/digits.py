@@ -27,10 +27,6 @@ class DigitsDataModule(FederatedDataModule):
         self.test_fraction = test_fraction
         self._cache: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
 
-    def hparams_for_fingerprint(self) -> dict:
-        """Base settings plus the test split."""
-        return {**super().hparams_for_fingerprint(), "test_fraction": self.test_fraction}
-
     def load_split(self, train: bool) -> tuple[Tensor, Tensor]:
         """Split the bundled digits once (stratified, seeded) and return one side."""
         if self._cache is None:

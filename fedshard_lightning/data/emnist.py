@@ -16,15 +16,12 @@ from typing import ClassVar
 import numpy as np
 from torch import Tensor
 
-from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.data.download import (
     RemoteFile,
     extract,
-    fetch,
     find_first,
-    load_or_download,
-    missing_files_error,
 )
+from fedshard_lightning.data.files import FileDataModule
 from fedshard_lightning.data.mnist import IDX_IMAGES_MAGIC, IDX_LABELS_MAGIC, idx_tensors, read_idx
 from fedshard_lightning.errors import ConfigError, DataError
 
@@ -41,7 +38,7 @@ EMNIST_SPLITS: dict[str, int] = {
 }
 
 
-class EMNISTDataModule(FederatedDataModule):
+class EMNISTDataModule(FileDataModule):
     """One EMNIST split as uint8 [N, 1, 28, 28] in MNIST orientation.
 
     Files live in ``<data_dir>/emnist``: either the NIST archive ``gzip.zip`` (read in place) or
@@ -79,15 +76,6 @@ class EMNISTDataModule(FederatedDataModule):
             raise ConfigError(f"data.split={split!r}: choose one of {', '.join(EMNIST_SPLITS)}")
         self.split = split
 
-    def hparams_for_fingerprint(self) -> dict:
-        """Base settings plus the split."""
-        return {**super().hparams_for_fingerprint(), "split": self.split}
-
-    @property
-    def root(self) -> Path:
-        """Folder holding this dataset's files."""
-        return Path(self.data_dir) / self.folder
-
     def members(self) -> list[str]:
         """The archive members of the chosen split."""
         return [
@@ -104,13 +92,13 @@ class EMNISTDataModule(FederatedDataModule):
                 return found
         return None
 
-    def prepare_data(self) -> None:
-        """Fetch ``gzip.zip`` and extract the split when ``download`` is set and it is not there yet."""
-        if not self.download or all(self._extracted(m) is not None for m in self.members()):
-            return
-        for file in self.resources:
-            archive = fetch(file, self.root)
-            extract(archive, self.root, members=self.members())
+    def present(self) -> bool:
+        """The split is extracted already."""
+        return all(self._extracted(m) is not None for m in self.members())
+
+    def unpack(self, path: Path) -> None:
+        """Extract the split's members of ``gzip.zip``."""
+        extract(path, self.root, members=self.members())
 
     def _read(self, member: str, magic: int) -> tuple[Path, np.ndarray]:
         path = self._extracted(member)
@@ -119,7 +107,7 @@ class EMNISTDataModule(FederatedDataModule):
         archive = self.root / self.archive_name
         if not archive.is_file():
             expected = [f"{self.archive_name} or {', '.join(self.members())}"]
-            raise missing_files_error(self.dataset_name, self.root, expected, self.source)
+            raise self.missing(expected)
         label = archive / member
         try:
             with zipfile.ZipFile(archive) as zf, zf.open(member) as raw, gzip.GzipFile(fileobj=raw) as f:
@@ -129,11 +117,8 @@ class EMNISTDataModule(FederatedDataModule):
         except (zipfile.BadZipFile, OSError, EOFError, zlib.error) as e:
             raise DataError(f"{self.dataset_name}: {archive} is corrupt ({' '.join(str(e).split())})") from e
 
-    def load_split(self, train: bool) -> tuple[Tensor, Tensor]:
+    def read_split(self, train: bool) -> tuple[Tensor, Tensor]:
         """Read one split's IDX pair, fix the orientation and (for ``letters``) shift labels to 0."""
-        return load_or_download(self, self._read_split, train)
-
-    def _read_split(self, train: bool) -> tuple[Tensor, Tensor]:
         image_member, label_member = self.members()[:2] if train else self.members()[2:]
         image_path, images = self._read(image_member, IDX_IMAGES_MAGIC)
         label_path, labels = self._read(label_member, IDX_LABELS_MAGIC)

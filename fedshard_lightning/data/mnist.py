@@ -17,14 +17,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fedshard_lightning.data.base import FederatedDataModule
-from fedshard_lightning.data.download import (
-    RemoteFile,
-    fetch,
-    find_first,
-    load_or_download,
-    missing_files_error,
-)
+from fedshard_lightning.data.download import RemoteFile
+from fedshard_lightning.data.files import FileDataModule
 from fedshard_lightning.errors import DataError
 
 __all__ = ["IDX_IMAGES_MAGIC", "IDX_LABELS_MAGIC", "MNISTDataModule", "idx_tensors", "read_idx"]
@@ -116,7 +110,7 @@ def _parse_idx(f: BinaryIO, path: Path, expected_magic: int | None) -> np.ndarra
     return out.reshape(dims)
 
 
-class MNISTDataModule(FederatedDataModule):
+class MNISTDataModule(FileDataModule):
     """MNIST: 60,000 training and 10,000 test digits as uint8 [N, 1, 28, 28], 10 classes.
 
     Reads ``train-images-idx3-ubyte.gz``, ``train-labels-idx1-ubyte.gz``,
@@ -158,33 +152,11 @@ class MNISTDataModule(FederatedDataModule):
         )
     )
 
-    @property
-    def root(self) -> Path:
-        """Folder holding this dataset's files."""
-        return Path(self.data_dir) / self.folder
-
-    def prepare_data(self) -> None:
-        """Fetch and verify the four IDX files when ``download`` is set; otherwise do nothing."""
-        if self.download:
-            for file in self.resources:
-                fetch(file, self.root)
-
-    def _locate(self, name: str) -> Path:
-        path = find_first(self.root, (name, name.removesuffix(".gz")))
-        if path is None:
-            raise missing_files_error(
-                self.dataset_name, self.root, [f.name for f in self.resources], self.source
-            )
-        return path
-
-    def load_split(self, train: bool) -> tuple[Tensor, Tensor]:
+    def read_split(self, train: bool) -> tuple[Tensor, Tensor]:
         """Read one split's image and label IDX files into uint8 [N, 1, H, W] and int64 [N]."""
-        return load_or_download(self, self._read_split, train)
-
-    def _read_split(self, train: bool) -> tuple[Tensor, Tensor]:
         prefix = "train" if train else "t10k"
-        image_path = self._locate(f"{prefix}-images-idx3-ubyte.gz")
-        label_path = self._locate(f"{prefix}-labels-idx1-ubyte.gz")
+        image_path = self.locate(f"{prefix}-images-idx3-ubyte.gz")
+        label_path = self.locate(f"{prefix}-labels-idx1-ubyte.gz")
         images = read_idx(image_path, IDX_IMAGES_MAGIC)
         labels = read_idx(label_path, IDX_LABELS_MAGIC).astype(np.int64)
         return idx_tensors(self.dataset_name, image_path, label_path, images, labels, self.label_count)

@@ -20,15 +20,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.data.download import (
     RemoteFile,
     extract,
-    fetch,
     find_first,
-    load_or_download,
-    missing_files_error,
 )
+from fedshard_lightning.data.files import FileDataModule
 from fedshard_lightning.errors import ConfigError, DataError
 
 __all__ = ["PURCHASE_URLS", "Purchase100DataModule", "read_purchase_csv", "read_purchase_npz"]
@@ -113,7 +110,7 @@ def read_purchase_npz(path: Path) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(features, dtype=np.float32), labels
 
 
-class Purchase100DataModule(FederatedDataModule):
+class Purchase100DataModule(FileDataModule):
     """Purchase-100 as float32 [N, 600] 0/1 features and 100 classes, with a seeded test split.
 
     Looks in ``<data_dir>/purchase100`` for ``purchase100.npz``, then the ``dataset_purchase``
@@ -148,46 +145,35 @@ class Purchase100DataModule(FederatedDataModule):
         self.archive_sha256 = archive_sha256.lower() if archive_sha256 else None
         self._pending_test: tuple[Tensor, Tensor] | None = None
 
-    def hparams_for_fingerprint(self) -> dict:
-        """Base settings plus the test split."""
-        return {**super().hparams_for_fingerprint(), "test_fraction": self.test_fraction}
-
-    @property
-    def root(self) -> Path:
-        """Folder holding this dataset's files."""
-        return Path(self.data_dir) / self.folder
-
-    def _remote_files(self) -> tuple[RemoteFile, ...]:
+    def remote_files(self) -> tuple[RemoteFile, ...]:
+        """The configured resources, or the archive when its SHA-256 is given; refused without a checksum."""
         if self.resources:
             return self.resources
         if self.archive_sha256 is None:
-            return ()
-        try:
-            return (RemoteFile(_ARCHIVE, PURCHASE_URLS, sha256=self.archive_sha256),)
-        except ValueError as e:
-            raise ConfigError(f"data.archive_sha256: {e}") from None
-
-    def prepare_data(self) -> None:
-        """Fetch, verify and extract the archive when ``download`` is set and no data file is there."""
-        if not self.download or find_first(self.root, (_NPZ, _CSV, _ARCHIVE)) is not None:
-            return
-        files = self._remote_files()
-        if not files:
             raise DataError(
                 f"{self.dataset_name}: no checksum is published for {_ARCHIVE}, so it is not downloaded "
                 f"unverified: fetch {PURCHASE_URLS[0]} yourself and put it (or the extracted {_CSV}) in "
                 f"{self.root}, or set data.archive_sha256 to the SHA-256 of a copy you trust"
             )
-        for file in files:
-            path = fetch(file, self.root)
-            if path.name.endswith((".tgz", ".tar.gz")):
-                extract(path, self.root)
+        try:
+            return (RemoteFile(_ARCHIVE, PURCHASE_URLS, sha256=self.archive_sha256),)
+        except ValueError as e:
+            raise ConfigError(f"data.archive_sha256: {e}") from None
+
+    def present(self) -> bool:
+        """A data file (or the archive) is there already."""
+        return find_first(self.root, (_NPZ, _CSV, _ARCHIVE)) is not None
+
+    def unpack(self, path: Path) -> None:
+        """Extract a fetched archive."""
+        if path.name.endswith((".tgz", ".tar.gz")):
+            extract(path, self.root)
 
     def _read_all(self) -> tuple[np.ndarray, np.ndarray]:
         path = find_first(self.root, (_NPZ, _CSV, _ARCHIVE))
         if path is None:
             expected = [f"{_NPZ} or {_CSV} (or {_ARCHIVE})"]
-            raise missing_files_error(self.dataset_name, self.root, expected, self.source)
+            raise self.missing(expected)
         if path.name == _NPZ:
             return read_purchase_npz(path)
         if path.name == _CSV:
@@ -203,14 +189,11 @@ class Purchase100DataModule(FederatedDataModule):
             raise DataError(f"{path}: corrupt or truncated archive ({e})") from e
         return read_purchase_csv(data, f"{path}:{_CSV}")
 
-    def load_split(self, train: bool) -> tuple[Tensor, Tensor]:
+    def read_split(self, train: bool) -> tuple[Tensor, Tensor]:
         """Read everything once and split it (stratified when every class has two samples)."""
-        return load_or_download(self, self._read_split, train)
+        return self.split_of_both(train, self._read_both)
 
-    def _read_split(self, train: bool) -> tuple[Tensor, Tensor]:
-        if not train and self._pending_test is not None:
-            out, self._pending_test = self._pending_test, None
-            return out
+    def _read_both(self) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
         from sklearn.model_selection import train_test_split
 
         x, y = self._read_all()
@@ -229,8 +212,4 @@ class Purchase100DataModule(FederatedDataModule):
             )
         train_idx, test_idx = np.sort(train_idx), np.sort(test_idx)
         train_split = (torch.from_numpy(x[train_idx]), torch.from_numpy(y[train_idx]))
-        test_split = (torch.from_numpy(x[test_idx]), torch.from_numpy(y[test_idx]))
-        if train:
-            self._pending_test = test_split
-            return train_split
-        return test_split
+        return train_split, (torch.from_numpy(x[test_idx]), torch.from_numpy(y[test_idx]))

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from fedshard_lightning.data.base import FederatedDataModule
-from fedshard_lightning.data.download import RemoteFile, fetch, load_or_download, missing_files_error
+from fedshard_lightning.data.download import RemoteFile
+from fedshard_lightning.data.files import FileDataModule
 from fedshard_lightning.errors import DataError
 
 __all__ = ["SVHNDataModule"]
@@ -18,7 +17,7 @@ __all__ = ["SVHNDataModule"]
 _BASE = "http://ufldl.stanford.edu/housenumbers/"
 
 
-class SVHNDataModule(FederatedDataModule):
+class SVHNDataModule(FileDataModule):
     """SVHN: 73,257 training and 26,032 test digits as uint8 [N, 3, 32, 32], 10 classes.
 
     Reads ``train_32x32.mat`` and ``test_32x32.mat`` (MATLAB files with ``X`` of shape
@@ -51,29 +50,13 @@ class SVHNDataModule(FederatedDataModule):
         ),
     )
 
-    @property
-    def root(self) -> Path:
-        """Folder holding this dataset's files."""
-        return Path(self.data_dir) / self.folder
-
-    def prepare_data(self) -> None:
-        """Fetch and verify both .mat files when ``download`` is set; otherwise do nothing."""
-        if self.download:
-            for file in self.resources:
-                fetch(file, self.root)
-
-    def load_split(self, train: bool) -> tuple[Tensor, Tensor]:
+    def read_split(self, train: bool) -> tuple[Tensor, Tensor]:
         """Read ``X``/``y`` from the split's .mat file into uint8 [N, 3, 32, 32] and int64 [N] (10 -> 0)."""
-        return load_or_download(self, self._read_split, train)
-
-    def _read_split(self, train: bool) -> tuple[Tensor, Tensor]:
         from scipy.io import loadmat
 
         path = self.root / ("train_32x32.mat" if train else "test_32x32.mat")
         if not path.is_file():
-            raise missing_files_error(
-                self.dataset_name, self.root, [f.name for f in self.resources], self.source
-            )
+            raise self.missing()
         try:
             mat = loadmat(path, variable_names=["X", "y"])
         except Exception as e:  # scipy raises ValueError, MatReadError, OSError... for a bad file

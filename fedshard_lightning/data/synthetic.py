@@ -45,18 +45,6 @@ class SyntheticDataModule(FederatedDataModule):
         self.as_uint8 = as_uint8
         self._data: tuple[Tensor, Tensor] | None = None
 
-    def hparams_for_fingerprint(self) -> dict:
-        """Base settings plus the generator's."""
-        return {
-            **super().hparams_for_fingerprint(),
-            "num_samples": self.num_samples,
-            "num_test": self.num_test,
-            "shape": list(self.shape),
-            "num_classes": self.num_classes_,
-            "noise": self.noise,
-            "as_uint8": self.as_uint8,
-        }
-
     def _generate(self) -> tuple[Tensor, Tensor]:
         g = torch.Generator().manual_seed(10_007 * self.seed + 1)
         n = self.num_samples + self.num_test

@@ -8,7 +8,7 @@ from fedshard_lightning.engine.engine import (
     stack_params,
     unstack_params,
 )
-from fedshard_lightning.engine.evaluate import evaluate, evaluate_stacked, predict_logits
+from fedshard_lightning.engine.evaluate import evaluate, predict_logits
 from fedshard_lightning.engine.schedule import LocalSchedule
 
 __all__ = [
@@ -18,7 +18,6 @@ __all__ = [
     "RoundInfo",
     "TrainResult",
     "evaluate",
-    "evaluate_stacked",
     "predict_logits",
     "stack_params",
     "unstack_params",

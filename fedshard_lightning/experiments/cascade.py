@@ -50,200 +50,27 @@ for the options; ``--config file.yaml`` takes the same keys, with ``class_path``
 
 from __future__ import annotations
 
-import copy
-import json
-import math
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-import torch
-from torch import Tensor
 
 from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.errors import ConfigError
-from fedshard_lightning.metrics.client_alpha import client_alphas, per_client_accuracy
-from fedshard_lightning.metrics.fairness import performance_fairness
+from fedshard_lightning.experiments.common import (
+    ExperimentSetting,
+    MethodRun,
+    fit_method,
+    minority_clients,
+    mp_score,
+    request_cost,
+    write_json,
+)
+from fedshard_lightning.metrics.fairness_report import fairness_report
 from fedshard_lightning.module import FederatedModule
 from fedshard_lightning.unlearning.base import Algorithm
 
 __all__ = ["ExperimentSetting", "MethodRun", "cascade", "main", "minority_clients"]
-
-
-# --------------------------------------------------------------------------------------------------
-# Shared by the cascade and poisoning experiments
-# --------------------------------------------------------------------------------------------------
-
-
-def default_algorithms() -> list[Algorithm]:
-    """FedShard (the digits defaults) and FedAvg retraining with a comparable budget."""
-    from fedshard_lightning.unlearning import FedAvg, FedShard
-
-    return [
-        FedShard(merge_rate=2, merge="a1", rounds="a2", t0=2, t1=8, batch_size=10, local_epochs=2),
-        FedAvg(rounds=20, batch_size=10, local_epochs=2),
-    ]
-
-
-def minority_clients(datamodule: FederatedDataModule) -> list[int]:
-    """Clients of the smaller group of a ``label_split`` partition (the second group when equal).
-
-    The partition puts the first ``round(K * label_split_fraction)`` clients on the first half of
-    the labels and the rest on the other half.
-    """
-    k = datamodule.num_clients
-    k_first = min(max(round(k * datamodule.label_split_fraction), 1), k - 1)
-    first, second = list(range(k_first)), list(range(k_first, k))
-    return first if len(first) < len(second) else second
-
-
-@dataclass
-class ExperimentSetting:
-    """What every method of an experiment shares: data, model template, trainer settings."""
-
-    output_dir: Path
-    datamodule: FederatedDataModule
-    model: FederatedModule
-    algorithms: list[Algorithm]
-    seed: int = 0
-    precision: str = "32-true"
-    accelerator: str = "cpu"
-    vectorize: str = "auto"
-    eval_every_n_rounds: int = 0
-    holdout: bool = False
-    reference: dict[str, Tensor] | None = None
-    alphas: Tensor | None = None
-
-    @classmethod
-    def build(
-        cls,
-        output_dir: str | Path,
-        algorithms: list[Algorithm] | None,
-        model: FederatedModule | None,
-        data: FederatedDataModule | None,
-        num_clients: int,
-        label_split_fraction: float,
-        seed: int,
-        **kwargs: Any,
-    ) -> ExperimentSetting:
-        """Defaults: Digits with a 0.75 label split, an MLP(64, 64), FedShard and FedAvg."""
-        if data is None:
-            from fedshard_lightning.data import DigitsDataModule
-
-            data = DigitsDataModule(
-                num_clients=num_clients,
-                partition="label_split",
-                label_split_fraction=label_split_fraction,
-                seed=seed,
-                holdout_fraction=0.2 if kwargs.get("holdout") else 0.0,
-            )
-        if data.partition != "label_split":
-            raise ConfigError(
-                f"data.partition={data.partition!r}: this experiment needs the two-label-partition split "
-                "(partition: label_split)"
-            )
-        if model is None:
-            from fedshard_lightning.models import MLP
-
-            model = MLP(hidden=(64, 64), lr=0.1)
-        algorithms = list(algorithms) if algorithms else default_algorithms()
-        names = [a.name for a in algorithms]
-        if len(set(names)) != len(names):
-            raise ConfigError(f"algorithms: each method may appear once, got {names}")
-        out = Path(output_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        return cls(out, data, model, algorithms, seed=seed, **kwargs)
-
-
-@dataclass
-class MethodRun:
-    """One method trained on the setting: its trainer and the trained model's per-client accuracy."""
-
-    trainer: Any
-    algorithm: Algorithm
-    params: dict[str, Tensor]
-    acc: Tensor
-    fit_metrics: dict[str, Any]
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def accuracy(self, params: dict[str, Tensor]) -> Tensor:
-        """Per-client accuracy of another model of this method."""
-        split = "holdout" if self.extra.get("holdout") else "train"
-        return per_client_accuracy(self.trainer.module, params, self.trainer.datamodule, split)
-
-
-def fit_method(setting: ExperimentSetting, algorithm: Algorithm) -> MethodRun:
-    """Train ``algorithm`` on the setting (a fresh copy of the model template, same theta^0 seed).
-
-    The first method fitted also fixes the shared client alphas (SPEC section 4: methods compared
-    side by side share one reference model).
-    """
-    from fedshard_lightning.trainer import FederatedTrainer
-
-    trainer = FederatedTrainer(
-        algorithm=algorithm,
-        accelerator=setting.accelerator,
-        precision=setting.precision,
-        default_root_dir=str(setting.output_dir / "runs"),
-        run_name=None,
-        vectorize=setting.vectorize,
-        eval_every_n_rounds=setting.eval_every_n_rounds,
-        enable_progress_bar=False,
-        seed=setting.seed,
-    )
-    metrics = trainer.fit(copy.deepcopy(setting.model), setting.datamodule)
-    params = {k: v.detach().clone() for k, v in algorithm.current_params().items()}
-    run = MethodRun(trainer, algorithm, params, torch.zeros(0), metrics, {"holdout": setting.holdout})
-    run.acc = run.accuracy(params)
-    if setting.alphas is None:
-        setting.reference = params
-        setting.alphas = client_alphas(algorithm, params).cpu()
-    return run
-
-
-def request_cost(result: Any, run: MethodRun, unit: str) -> float:
-    """Cost of an unlearning request relative to the cost of the original fit (unit-free)."""
-    if unit == "seconds":
-        fit = float(run.fit_metrics.get("seconds") or 0.0)
-        return float(result.seconds) / fit if fit > 0 else 0.0
-    fit_steps = float(run.fit_metrics.get("client_steps") or 0)
-    return float(result.client_steps) / fit_steps if fit_steps > 0 else 0.0
-
-
-def mp_score(
-    setting: ExperimentSetting, delta: Tensor, leaving: list[int], eps0: float, eps1: float
-) -> float:
-    """M_p of one request with the shared client alphas."""
-    k = len(delta)
-    mask = torch.zeros(k, dtype=torch.bool)
-    mask[leaving] = True
-    return float(performance_fairness(torch.nan_to_num(delta, nan=0.0), setting.alphas, mask, eps0, eps1))
-
-
-def write_json(path: Path, payload: dict[str, Any]) -> Path:
-    """Write JSON with NaN/inf as null."""
-
-    def clean(v: Any) -> Any:
-        if isinstance(v, dict):
-            return {str(k): clean(x) for k, x in v.items()}
-        if isinstance(v, (list, tuple)):
-            return [clean(x) for x in v]
-        if isinstance(v, (Tensor, np.generic)):
-            v = v.item()
-        if isinstance(v, float) and not math.isfinite(v):
-            return None
-        return v
-
-    path.write_text(json.dumps(clean(payload), indent=2, allow_nan=False) + "\n")
-    return path
-
-
-def _stats(values: list[float]) -> dict[str, float | None]:
-    if not values:
-        return {"mean": None, "max": None, "min": None}
-    return {"mean": sum(values) / len(values), "max": max(values), "min": min(values)}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -331,17 +158,18 @@ def cascade(
         iterations: list[dict[str, Any]] = []
         mp_first = None
         cascaded: list[int] = []
+        state = run.state
         for it in range(max_iterations + 1):
-            result = algorithm.unlearn(leavers)
+            state, result = run.what_if(state, leavers)
             acc = run.accuracy(result.params)
             z = cost_weight * request_cost(result, run, cost_unit)
             present -= set(leavers)
-            delta = prev_acc - acc
+            report = fairness_report(prev_acc, acc, None, leavers, present=sorted(present | set(leavers)))
+            delta = report["delta"]
             if it == 0:
                 mp_first = mp_score(setting, run.acc - acc, leavers, eps0, eps1)
             stay = sorted(present)
             next_leavers = [r for r in stay if float(delta[r]) > y_star - z]
-            drops = [float(delta[r]) for r in stay if not math.isnan(float(delta[r]))]
             iterations.append(
                 {
                     "iteration": it,
@@ -350,8 +178,8 @@ def cascade(
                     "seconds": float(result.seconds),
                     "Z": z,
                     "threshold": y_star - z,
-                    "delta_acc_remaining": _stats(drops),
-                    "delta_acc_leaving": _stats([float(delta[c]) for c in leavers]),
+                    "delta_acc_remaining": report["remaining"],
+                    "delta_acc_leaving": report["leaving"],
                     "test_accuracy": run.trainer.evaluate(result.params)[0],
                     "decide_to_leave": next_leavers,
                 }

@@ -29,13 +29,13 @@ from typing import Any, Literal
 
 from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.errors import ConfigError
-from fedshard_lightning.experiments.cascade import (
+from fedshard_lightning.experiments.common import (
     ExperimentSetting,
     fit_method,
     minority_clients,
-    mp_score,
     write_json,
 )
+from fedshard_lightning.metrics.fairness_report import fairness_report
 from fedshard_lightning.module import FederatedModule
 from fedshard_lightning.unlearning.base import Algorithm
 
@@ -103,20 +103,18 @@ def poisoning(
     for algorithm in setting.algorithms:
         t0 = time.perf_counter()
         run = fit_method(setting, algorithm)
-        result = algorithm.unlearn(attackers)
+        _, result = run.what_if(run.state, attackers)
         acc = run.accuracy(result.params)
-        delta = run.acc - acc
-        drops = {c: float(delta[c]) for c in range(dm.num_clients)}
+        report = fairness_report(run.acc, acc, setting.alphas, attackers, eps0, eps1)
+        drops = {c: float(report["delta"][c]) for c in range(dm.num_clients)}
         poisoned = [c for c in remaining if drops[c] > threshold]
-        rem = [drops[c] for c in remaining if not math.isnan(drops[c])]
-        att = [drops[c] for c in attackers if not math.isnan(drops[c])]
         results[algorithm.name] = {
             "attack_precision": len(poisoned) / len(remaining),
             "poisoned_clients": poisoned,
-            "M_p": mp_score(setting, delta, attackers, eps0, eps1),
-            "delta_acc_remaining_mean": sum(rem) / len(rem) if rem else None,
-            "delta_acc_remaining_max": max(rem) if rem else None,
-            "delta_acc_attackers_mean": sum(att) / len(att) if att else None,
+            "M_p": report["M_p"],
+            "delta_acc_remaining_mean": report["remaining"]["mean"],
+            "delta_acc_remaining_max": report["remaining"]["max"],
+            "delta_acc_attackers_mean": report["leaving"]["mean"],
             "delta_acc": [drops[c] for c in range(dm.num_clients)],
             "unlearn_client_steps": int(result.client_steps),
             "unlearn_seconds": float(result.seconds),

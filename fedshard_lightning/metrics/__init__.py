@@ -14,12 +14,11 @@ from fedshard_lightning.metrics.client_alpha import (
     sample_logits,
 )
 from fedshard_lightning.metrics.fairness import (
-    EfficiencyFairness,
-    PerformanceFairness,
     client_distances,
     efficiency_fairness,
     performance_fairness,
 )
+from fedshard_lightning.metrics.fairness_metrics import EfficiencyFairness, PerformanceFairness
 from fedshard_lightning.metrics.mia import ATTACK_CLASSIFIERS, MembershipInferenceAttack, attack_features
 
 __all__ = [

@@ -45,7 +45,7 @@ def _algorithm(source: Any) -> Any:
     alg = getattr(source, "algorithm", source)
     if getattr(alg, "engine", None) is None:
         raise ValueError(
-            "client_alphas needs an algorithm attached to a trainer (call trainer.fit or load a run first)"
+            "client_alphas needs an algorithm set up by a trainer (call trainer.fit or load a run first)"
         )
     return alg
 
@@ -100,7 +100,7 @@ def client_alphas(
     alg = _algorithm(source)
     ids = list(range(alg.num_clients)) if clients is None else [int(c) for c in clients]
     updates = client_probe_updates(alg, reference_params, ids)
-    sizes = alg.trainer.datamodule.client_sizes
+    sizes = alg.ctx.client_sizes
     weights = torch.tensor([float(sizes[c]) for c in ids], dtype=torch.float64, device=updates.device)
     if len(ids) == 1:
         return torch.zeros(1, dtype=torch.float64, device=updates.device)

@@ -1,34 +1,45 @@
-"""The algorithm interface: who trains together, from which model, for how many rounds.
+"""The algorithm interface: a policy (who trains together, from which model, how long) over explicit state.
 
 Every method of the package (FedShard, the FedAvg retraining baseline, FATS, FedEraser,
 RapidRetrain, FedRecover) is an :class:`Algorithm`. It never writes a training loop: it hands
 groups of clients to :meth:`fedshard_lightning.engine.FederatedEngine.train_groups` through
-:meth:`Algorithm.train`, which also reports every round to the trainer's callbacks.
+:meth:`Algorithm.train`. It never holds the trainer either: it sees the run through an
+:class:`~fedshard_lightning.unlearning.context.AlgorithmContext` and reports through its
+:class:`~fedshard_lightning.unlearning.context.LoopEvents`. Cache commits, the fingerprint check,
+the request journal and the lock belong to the trainer.
 
 The protocol, driven by :class:`~fedshard_lightning.trainer.FederatedTrainer`:
 
-* ``attach(trainer)`` once the model and data are on the device;
-* ``fit()`` trains from ``trainer.theta0`` and returns the final model's parameters, calling
-  ``trainer.stage_end`` after each complete stage (the cache is committed there);
-* ``write_cache(cache, label)`` / ``load_cache(cache)`` persist and restore everything unlearning
-  needs (tensors in safetensors, structure in JSON);
-* ``resume(cache)`` continues an interrupted ``fit`` from its last complete stage;
-* ``predict_cost(clients)`` and ``unlearn(clients)`` serve deletion requests.
+* ``setup(ctx)`` once the model and data are on the device (builds the engines);
+* ``reset(theta0)`` before a fresh fit, or ``restore_cache(...)`` before a resumed one: the
+  state is explicit (:attr:`Algorithm.state_fields`, ``state_dict``/``load_state_dict``), so a
+  reused instance behaves like a fresh one;
+* ``fit()`` continues training from the state (a fresh state trains everything) and returns the
+  final model; it reports ``events.stage_end`` after each complete stage (the trainer commits);
+* ``cache_files(cache)`` / ``restore_cache(...)`` turn the state into files and back (the defaults
+  store tensor dicts as safetensors and the rest as JSON);
+* ``predict_cost(clients)``, ``retrain_cost(clients)`` and ``unlearn(clients)`` serve requests;
+  :meth:`Algorithm.what_if` is the pure form ``state, clients -> new state, result``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from fedshard_lightning.engine import FederatedEngine, Group, LocalSchedule, RoundInfo, TrainResult
-from fedshard_lightning.errors import ConfigError
+from fedshard_lightning.errors import CacheError, ConfigError
+from fedshard_lightning.init_args import RecordsInitArgs
+from fedshard_lightning.unlearning.context import AlgorithmContext, LoopEvents
 
 __all__ = ["Algorithm", "UnlearnResult"]
+
+BASE_STATE = ("theta0", "unlearned", "total_client_steps")
+"""State every algorithm has; the trainer persists and restores it, subclasses cannot forget it."""
 
 
 @dataclass
@@ -44,7 +55,11 @@ class UnlearnResult:
     details: dict[str, Any] = field(default_factory=dict)
 
 
-class Algorithm:
+def _is_tensor_dict(value: Any) -> bool:
+    return isinstance(value, dict) and bool(value) and all(isinstance(v, Tensor) for v in value.values())
+
+
+class Algorithm(RecordsInitArgs):
     """Base class of federated (un)learning methods.
 
     Args:
@@ -55,6 +70,10 @@ class Algorithm:
     """
 
     name: str = "algorithm"
+    exact: bool = True
+    """Unlearning equals retraining without the clients (``audit`` can certify it)."""
+    state_fields: tuple[str, ...] = BASE_STATE
+    """Attributes that make up the state; subclasses extend the tuple and :meth:`initial_state`."""
 
     def __init__(
         self,
@@ -69,39 +88,90 @@ class Algorithm:
         if not 0 < client_fraction <= 1:
             raise ConfigError(f"algorithm.client_fraction={client_fraction}: must be in (0, 1]")
         self.client_fraction = float(client_fraction)
-        self.trainer: Any = None
+        self.ctx: AlgorithmContext | None = None
         self.engine: FederatedEngine | None = None
+        self.theta0: dict[str, Tensor] | None = None
         self.unlearned: list[int] = []
         self.total_client_steps = 0
 
-    # -- identity ---------------------------------------------------------------------------------
-    def hparams(self) -> dict[str, Any]:
-        """Settings that change the result; part of the cache fingerprint and manifest."""
-        return {
-            "name": self.name,
-            "batch_size": self.schedule.batch_size,
-            "local_epochs": self.schedule.local_epochs,
-            "local_steps": self.schedule.local_steps,
-            "client_fraction": self.client_fraction,
-        }
-
     # -- wiring -----------------------------------------------------------------------------------
-    def attach(self, trainer: Any) -> None:
-        """Bind to a trainer whose model and data are ready; build the engine."""
-        self.trainer = trainer
-        self.engine = trainer.make_engine(self.schedule, self.client_fraction)
+    def setup(self, ctx: AlgorithmContext) -> None:
+        """Bind to a run (its model and data are ready); build the engine."""
+        self.ctx = ctx
+        self.engine = ctx.make_engine(self.schedule, self.client_fraction)
+
+    @property
+    def events(self) -> LoopEvents:
+        """Where the loop events go (nowhere before ``setup``)."""
+        return self.ctx.events if self.ctx is not None else LoopEvents()
 
     @property
     def num_clients(self) -> int:
         """K, the number of clients of the partition."""
-        return len(self.trainer.datamodule.client_indices)
+        return self.ctx.num_clients
 
     @property
     def active_clients(self) -> list[int]:
         """Clients not unlearned so far."""
-        gone = set(self.unlearned)
+        return self.remaining(())
+
+    def remaining(self, clients: Sequence[int]) -> list[int]:
+        """Active clients without ``clients`` (and without every client unlearned before)."""
+        gone = set(self.unlearned) | {int(c) for c in clients}
         return [c for c in range(self.num_clients) if c not in gone]
 
+    # -- state ------------------------------------------------------------------------------------
+    def initial_state(self, theta0: dict[str, Tensor]) -> dict[str, Any]:
+        """The state of a fit that has not trained yet; subclasses add their fields."""
+        return {"theta0": theta0, "unlearned": [], "total_client_steps": 0}
+
+    def reset(self, theta0: dict[str, Tensor], exclude: Sequence[int] = ()) -> None:
+        """Start a fresh fit from ``theta0``, as if ``exclude`` had left before training."""
+        state = self.initial_state(theta0)
+        state["unlearned"] = sorted(int(c) for c in exclude)
+        self.load_state_dict(state)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state (shallow: tensors are shared, containers copied)."""
+        out = {}
+        for f in self.state_fields:
+            v = getattr(self, f)
+            out[f] = list(v) if isinstance(v, list) else (dict(v) if isinstance(v, dict) else v)
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Replace the state; every field of :attr:`state_fields` must be given."""
+        missing = [f for f in self.state_fields if f not in state]
+        if missing:
+            raise KeyError(f"{type(self).__name__}.load_state_dict: missing state fields {missing}")
+        for f in self.state_fields:
+            v = state[f]
+            setattr(self, f, list(v) if isinstance(v, list) else (dict(v) if isinstance(v, dict) else v))
+
+    def is_complete(self) -> bool:
+        """Whether the state is that of a finished fit (the trainer also knows when ``fit`` returned)."""
+        return False
+
+    def progress(self) -> str:
+        """How far the fit got, for the message that refuses to unlearn from an unfinished run."""
+        return "training did not finish"
+
+    def what_if(self, state: dict[str, Any], clients: Sequence[int]) -> tuple[dict[str, Any], UnlearnResult]:
+        """Pure unlearning: the state after removing ``clients`` from ``state``, and the result.
+
+        The instance's own state is the same before and after; nothing is written. The trainer's
+        ``unlearn`` runs this and commits the new state; what-if analyses just keep it.
+        """
+        saved = self.state_dict()
+        self.load_state_dict(state)
+        try:
+            result = self.unlearn(clients)
+            new = self.state_dict()
+        finally:
+            self.load_state_dict(saved)
+        return new, result
+
+    # -- training -----------------------------------------------------------------------------------
     def train(
         self,
         init: dict[str, Tensor],
@@ -111,15 +181,14 @@ class Algorithm:
         keep_client_params: bool = False,
         report: bool = True,
     ) -> TrainResult:
-        """Train groups with the engine; every round is reported to the callbacks when ``report``."""
-        fabric = self.trainer.fabric
-        world = fabric.world_size if fabric is not None else 1
-        if world > 1 and len(groups) > 1:
+        """Train groups with the engine; every round is reported to the events when ``report``."""
+        if self.ctx is not None and self.ctx.world_size > 1 and len(groups) > 1:
             return self._train_distributed(init, groups, stage, on_round_end, keep_client_params, report)
+        events = self.events
 
         def hook(info: RoundInfo, state: dict[str, Tensor]) -> Sequence[bool] | None:
             if report:
-                self.trainer.round_end(info, state, groups)
+                events.round_end(info, state, groups)
             return on_round_end(info, state) if on_round_end is not None else None
 
         return self.engine.train_groups(init, groups, stage, hook, keep_client_params)
@@ -136,18 +205,18 @@ class Algorithm:
         """Multi-process: rank r trains groups r, r+W, ...; the results are gathered in order.
 
         Groups are independent (keyed randomness), so the gathered models equal a single-process
-        run. Per-round callbacks on rank zero see rank zero's groups only.
+        run. Per-round events on rank zero see rank zero's groups only.
         """
-        fabric = self.trainer.fabric
-        world, rank = fabric.world_size, fabric.global_rank
+        world, rank, gather = self.ctx.world_size, self.ctx.global_rank, self.ctx.all_gather
         mine = list(range(rank, len(groups), world))
         sub_groups = [groups[i] for i in mine]
         idx = torch.as_tensor(mine, dtype=torch.long, device=next(iter(init.values())).device)
         sub_init = {k: v.index_select(0, idx) for k, v in init.items()}
+        events = self.events
 
         def hook(info: RoundInfo, state: dict[str, Tensor]) -> Sequence[bool] | None:
             if report:
-                self.trainer.round_end(info, state, sub_groups)
+                events.round_end(info, state, sub_groups)
             if on_round_end is None:
                 return None
             local = RoundInfo(**{**vars(info), "active": [mine[a] for a in info.active]})
@@ -160,44 +229,96 @@ class Algorithm:
         for k, v in res.params.items():
             padded = torch.zeros(per, *v.shape[1:], dtype=v.dtype, device=v.device)
             padded[: len(mine)] = v
-            gathered = fabric.all_gather(padded)  # [world, per, ...]
+            gathered = gather(padded)  # [world, per, ...]
             params[k] = torch.stack([gathered[g % world, g // world] for g in range(len(groups))])
         counters = torch.zeros(per, 2, dtype=torch.long)
         counters[: len(mine), 0] = torch.as_tensor(res.group_client_steps, dtype=torch.long)
         counters[: len(mine), 1] = torch.as_tensor(res.rounds_run, dtype=torch.long)
-        allc = fabric.all_gather(counters.to(fabric.device)).cpu()
+        allc = gather(counters.to(self.ctx.device)).cpu()
         steps = [int(allc[g % world, g // world, 0]) for g in range(len(groups))]
         rounds = [int(allc[g % world, g // world, 1]) for g in range(len(groups))]
         return TrainResult(params, sum(steps), steps, rounds, res.seconds, res.history)
 
-    def manifest_base(self, complete: bool) -> dict[str, Any]:
-        """Fields every manifest carries: identity and fingerprint, state, and the trainer's request log."""
-        return {
-            "algorithm": self.name,
-            "fingerprint": self.trainer.fingerprint,
-            "hparams": self.hparams(),
-            "num_clients": self.num_clients,
-            "unlearned": self.unlearned,
-            "complete": complete,
-            "client_steps": self.total_client_steps,
-            **self.trainer.cache_extra(),
-        }
+    # -- cache (files only; the trainer commits) ----------------------------------------------------
+    def cache_files(self, cache: Any) -> tuple[dict[str, Any], dict[str, dict[str, Tensor]], dict[str, str]]:
+        """(manifest fields, tensor files to write, files to reuse from ``cache``'s current version).
+
+        ``theta0`` and the base state are the trainer's. The default stores every other state field
+        that is a dict of tensors as ``<field>.safetensors`` and the rest, which must be JSON, under
+        ``manifest["state"]``.
+        """
+        tensors: dict[str, dict[str, Tensor]] = {}
+        state: dict[str, Any] = {}
+        for f in self.state_fields:
+            if f in BASE_STATE:
+                continue
+            v = getattr(self, f)
+            if _is_tensor_dict(v):
+                tensors[f"{f}.safetensors"] = v
+            else:
+                state[f] = v
+        return {"state": state}, tensors, {}
+
+    def committed(self, cache: Any, version: str) -> None:
+        """The state now lives in ``version`` (e.g. to hard-link unchanged files next time)."""
+
+    def restore_cache(self, cache: Any, manifest: dict[str, Any], device: torch.device) -> None:
+        """Restore the fields that :meth:`cache_files` wrote (``theta0`` and the base state are the trainer's)."""
+        files = manifest.get("files", {})
+        state = manifest.get("state", {})
+        for f in self.state_fields:
+            if f in BASE_STATE:
+                continue
+            if f"{f}.safetensors" in files:
+                setattr(self, f, cache.tensors(f"{f}.safetensors", device=device, manifest=manifest))
+            elif f in state:
+                setattr(self, f, state[f])
+            else:
+                raise CacheError(f"{cache.root}: the cache holds no state field {f!r} of {self.name}")
+
+    def run_files(self) -> dict[str, str]:
+        """Text files for the run directory after ``fit`` (name -> content); the trainer writes them."""
+        return {}
+
+    def resumable(self, manifest: dict[str, Any]) -> bool:
+        """Whether ``fit`` can continue from a restored partial state (else it restarts).
+
+        True for a finished fit and for any state stored by the default :meth:`cache_files`
+        (which stores all of it); algorithms with their own files decide for themselves.
+        """
+        return bool(manifest.get("complete")) or "state" in manifest
+
+    # -- certificate -------------------------------------------------------------------------------
+    def audit(self, tolerance: float) -> dict[str, Any]:
+        """Certify exact unlearning: retrain from theta^0 without every unlearned client; compare.
+
+        The reference is an independent fit (``reset`` with the unlearned clients excluded, then
+        ``fit`` with silent events), not the unlearning code path. Methods that only approximate
+        retraining (``exact = False``) cannot be certified this way.
+        """
+        if not self.exact:
+            raise ConfigError(f"trainer.algorithm: {self.name} does not support audit (it is not exact)")
+        saved, ctx = self.state_dict(), self.ctx
+        self.ctx = replace(ctx, events=LoopEvents())
+        try:
+            self.reset(saved["theta0"], exclude=saved["unlearned"])
+            reference = {k: v.clone() for k, v in self.fit().items()}
+            steps = self.total_client_steps
+        finally:
+            self.ctx = ctx
+            self.load_state_dict(saved)
+        current = self.current_params()
+        diff = max(float((current[k] - reference[k]).abs().max()) for k in current)
+        passed = diff <= tolerance
+        line = (
+            f"audit {'PASSED' if passed else 'FAILED'}: final model max|diff| = {diff:.3e} against a retraining "
+            f"from theta^0 without clients {self.unlearned}, tolerance {tolerance:.1e}; replay cost {steps} client-steps"
+        )
+        return {"passed": passed, "max_abs_diff": diff, "final_max_abs_diff": diff, "lines": [line]}
 
     # -- to implement -----------------------------------------------------------------------------
     def fit(self) -> dict[str, Tensor]:
-        """Train from ``trainer.theta0``; return the final model's parameters."""
-        raise NotImplementedError
-
-    def resume(self, cache: Any) -> bool:
-        """Restore a partial fit from ``cache``; False when it cannot continue (then fit restarts)."""
-        return False
-
-    def write_cache(self, cache: Any, label: str) -> str:
-        """Commit the algorithm's state as a new cache version; return its name."""
-        raise NotImplementedError
-
-    def load_cache(self, cache: Any) -> None:
-        """Restore the state of a finished fit (and of every applied unlearning request)."""
+        """Train from the state (fresh: from ``theta0``); return the final model's parameters."""
         raise NotImplementedError
 
     def current_params(self) -> dict[str, Tensor]:

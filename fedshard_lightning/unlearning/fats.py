@@ -40,6 +40,7 @@ from fedshard_lightning.engine import Group, RoundInfo, TrainResult, stack_param
 from fedshard_lightning.engine.keys import SAMPLING, keyed_rng
 from fedshard_lightning.errors import CacheError, ConfigError
 from fedshard_lightning.unlearning.base import UnlearnResult
+from fedshard_lightning.unlearning.context import AlgorithmContext
 from fedshard_lightning.unlearning.fedavg import FedAvg
 
 __all__ = ["FATS"]
@@ -59,6 +60,7 @@ class FATS(FedAvg):
     """
 
     name = "fats"
+    state_fields = (*FedAvg.state_fields, "models", "participants")
 
     def __init__(self, rounds: int = 20, sample_size: int = 8, **kwargs: Any) -> None:
         super().__init__(rounds=rounds, **kwargs)
@@ -73,13 +75,13 @@ class FATS(FedAvg):
         self.models: dict[str, Tensor] | None = None
         self.participants: list[list[int]] = []
 
-    def hparams(self) -> dict[str, Any]:
-        """FedAvg's settings plus the sample size."""
-        return {**super().hparams(), "sample_size": self.sample_size}
+    def initial_state(self, theta0: dict[str, Tensor]) -> dict[str, Any]:
+        """No round trained yet."""
+        return {**super().initial_state(theta0), "models": None, "participants": []}
 
-    def attach(self, trainer: Any) -> None:
+    def setup(self, ctx: AlgorithmContext) -> None:
         """Build the engine and make it sample with :meth:`sample`."""
-        super().attach(trainer)
+        super().setup(ctx)
         self.engine = self.engine.with_participants(self._participants)
 
     # -- sampling ---------------------------------------------------------------------------------
@@ -92,7 +94,7 @@ class FATS(FedAvg):
         allowed = set(int(c) for c in population)
         if not allowed:
             return []
-        rng = keyed_rng(self.trainer.seed, round_, 0, 0, SAMPLING)
+        rng = keyed_rng(self.ctx.seed, round_, 0, 0, SAMPLING)
         drawn: list[int] = []
         while len(drawn) < self.sample_size:
             for c in rng.integers(0, self.num_clients, size=_BLOCK).tolist():
@@ -109,9 +111,10 @@ class FATS(FedAvg):
     # -- rounds -----------------------------------------------------------------------------------
     def _round(self, start: dict[str, Tensor], clients: Sequence[int], r: int, report: bool) -> TrainResult:
         group = Group(0, tuple(clients), 1)
+        events = self.events
 
         def hook(info: RoundInfo, state: dict[str, Tensor]) -> None:
-            self.trainer.round_end(replace(info, stage=0, round=r), state, [group])
+            events.round_end(replace(info, stage=0, round=r), state, [group])
 
         return self.train(
             stack_params([start]), [group], stage=r, on_round_end=hook if report else None, report=False
@@ -132,13 +135,12 @@ class FATS(FedAvg):
 
     def fit(self) -> dict[str, Tensor]:
         """``rounds`` FATS rounds over all (active) clients from theta^0."""
-        self.theta0 = self.trainer.theta0
         clients = tuple(self.active_clients)
-        self.trainer.stage_start(0, [Group(0, clients, self.rounds)])
+        self.events.stage_start(0, [Group(0, clients, self.rounds)])
         models, self.participants, self.total_client_steps = self._run(self.theta0, clients, 0, report=True)
         self.models = stack_params([self.theta0, *models])
         self.params = models[-1]
-        self.trainer.stage_end(0, {"client_steps": float(self.total_client_steps)})
+        self.events.stage_end(0, {"client_steps": float(self.total_client_steps)})
         return self.params
 
     # -- costs ------------------------------------------------------------------------------------
@@ -154,25 +156,21 @@ class FATS(FedAvg):
             for r in range(first, self.rounds)
         )
 
-    def _remaining(self, clients: Sequence[int]) -> list[int]:
-        gone = set(clients)
-        return [c for c in self.active_clients if c not in gone]
-
     def predict_cost(self, clients: Sequence[int]) -> int:
         """Steps of the rounds from the first participation on, re-sampled without ``clients``."""
         first = self.first_round(clients)
-        return 0 if first is None else self._cost_from(first, self._remaining(clients))
+        return 0 if first is None else self._cost_from(first, self.remaining(clients))
 
     def retrain_cost(self, clients: Sequence[int]) -> int:
         """Steps of FATS retrained from scratch without ``clients``."""
-        return self._cost_from(0, self._remaining(clients))
+        return self._cost_from(0, self.remaining(clients))
 
     # -- unlearning -------------------------------------------------------------------------------
     def unlearn(self, clients: Sequence[int]) -> UnlearnResult:
         """Rewind to the first round a leaving client took part in; recompute the rest without them."""
         first = self.first_round(clients)
         firsts = {str(c): self.first_round([c]) for c in clients}
-        remaining = self._remaining(clients)
+        remaining = self.remaining(clients)
         predicted = self.predict_cost(clients)
         retrain = self.retrain_cost(clients)
         t = time.perf_counter()
@@ -203,22 +201,24 @@ class FATS(FedAvg):
         )
 
     # -- cache ------------------------------------------------------------------------------------
-    def write_cache(self, cache: FLCache, label: str) -> str:
-        """theta^0, the model after every round, and every round's participants."""
-        manifest = {**self.manifest_base(complete=self.params is not None), "participants": self.participants}
-        tensors = {"theta0.safetensors": self.theta0}
+    def cache_files(
+        self, cache: FLCache
+    ) -> tuple[dict[str, Any], dict[str, dict[str, Tensor]], dict[str, str]]:
+        """The model after every round and every round's participants."""
+        fields, tensors, reuse = super().cache_files(cache)
         if self.params is not None:
-            tensors["model.safetensors"] = self.params
-            tensors["rounds.safetensors"] = self.models
-        return cache.commit(cache.next_name(label), manifest, tensors)
+            tensors = {**tensors, "rounds.safetensors": self.models}
+        return {**fields, "participants": self.participants}, tensors, reuse
 
-    def load_cache(self, cache: FLCache) -> dict[str, Any]:
-        """Restore theta^0, the per-round models and participants, and the unlearned set."""
-        manifest = super().load_cache(cache)
-        self.models = cache.tensors("rounds.safetensors", device=self.trainer.device)
+    def restore_cache(self, cache: FLCache, manifest: dict[str, Any], device: torch.device) -> None:
+        """Restore the per-round models and participants."""
+        super().restore_cache(cache, manifest, device)
+        if self.params is None:
+            self.models, self.participants = None, []
+            return
+        self.models = cache.tensors("rounds.safetensors", device=device, manifest=manifest)
         self.participants = [[int(c) for c in p] for p in manifest["participants"]]
         if len(self.participants) != self.rounds:
             raise CacheError(
                 f"{cache.root}: {len(self.participants)} rounds cached, {self.rounds} configured"
             )
-        return manifest

@@ -12,11 +12,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from fedshard_lightning.cache import FLCache
 from fedshard_lightning.engine import Group, stack_params, unstack_params
-from fedshard_lightning.errors import CacheError, ConfigError
+from fedshard_lightning.errors import ConfigError
 from fedshard_lightning.unlearning.base import Algorithm, UnlearnResult
 
 __all__ = ["FedAvg"]
@@ -31,19 +32,22 @@ class FedAvg(Algorithm):
     """
 
     name = "fedavg"
+    state_fields = (*Algorithm.state_fields, "params")
 
     def __init__(self, rounds: int = 20, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if not isinstance(rounds, int) or rounds < 1:
             raise ConfigError(f"algorithm.rounds={rounds!r}: must be a positive integer")
         self.rounds = rounds
-        self.theta0: dict[str, Tensor] | None = None
         self.params: dict[str, Tensor] | None = None
-        self.total_client_steps = 0
 
-    def hparams(self) -> dict[str, Any]:
-        """Base settings plus the number of rounds."""
-        return {**super().hparams(), "rounds": self.rounds}
+    def initial_state(self, theta0: dict[str, Tensor]) -> dict[str, Any]:
+        """No model yet."""
+        return {**super().initial_state(theta0), "params": None}
+
+    def is_complete(self) -> bool:
+        """Trained once the model exists."""
+        return self.params is not None
 
     def _train_on(self, clients: Sequence[int], report: bool) -> tuple[dict[str, Tensor], int]:
         res = self.train(
@@ -52,11 +56,10 @@ class FedAvg(Algorithm):
         return unstack_params(res.params, 0), res.client_steps
 
     def fit(self) -> dict[str, Tensor]:
-        """Train all clients for ``rounds`` rounds from theta^0."""
-        self.theta0 = self.trainer.theta0
-        self.trainer.stage_start(0, [Group(0, tuple(self.active_clients), self.rounds)])
+        """Train all (active) clients for ``rounds`` rounds from theta^0."""
+        self.events.stage_start(0, [Group(0, tuple(self.active_clients), self.rounds)])
         self.params, self.total_client_steps = self._train_on(self.active_clients, report=True)
-        self.trainer.stage_end(0)
+        self.events.stage_end(0)
         return self.params
 
     def current_params(self) -> dict[str, Tensor]:
@@ -71,15 +74,13 @@ class FedAvg(Algorithm):
 
     def predict_cost(self, clients: Sequence[int]) -> int:
         """Retraining the remaining clients for every round."""
-        gone = set(clients)
-        return self._cost([c for c in self.active_clients if c not in gone])
+        return self._cost(self.remaining(clients))
 
     retrain_cost = predict_cost
 
     def unlearn(self, clients: Sequence[int]) -> UnlearnResult:
         """Retrain from theta^0 without ``clients`` (and without every earlier unlearned client)."""
-        gone = set(clients)
-        remaining = [c for c in self.active_clients if c not in gone]
+        remaining = self.remaining(clients)
         predicted = self._cost(remaining)
         t = time.perf_counter()
         params, steps = self._train_on(remaining, report=False)
@@ -89,24 +90,17 @@ class FedAvg(Algorithm):
         return UnlearnResult(params, steps, predicted, predicted, seconds)
 
     # -- cache ------------------------------------------------------------------------------------
-    def write_cache(self, cache: FLCache, label: str) -> str:
-        """theta^0, the current model, and the unlearned clients."""
-        manifest = self.manifest_base(complete=self.params is not None)
-        tensors = {"theta0.safetensors": self.theta0}
-        if self.params is not None:
-            tensors["model.safetensors"] = self.params
-        return cache.commit(cache.next_name(label), manifest, tensors)
+    def cache_files(
+        self, cache: FLCache
+    ) -> tuple[dict[str, Any], dict[str, dict[str, Tensor]], dict[str, str]]:
+        """The current model (once trained)."""
+        return {}, ({"model.safetensors": self.params} if self.params is not None else {}), {}
 
-    def load_cache(self, cache: FLCache) -> dict[str, Any]:
-        """Restore theta^0, the model and the unlearned set; return the manifest for subclasses."""
-        manifest = self.trainer.check_manifest(cache, self.name)
-        if not manifest.get("complete"):
-            raise CacheError(f"{cache.root}: training did not finish; run fit again")
-        if manifest.get("num_clients") != self.num_clients:
-            raise CacheError(f"{cache.root}: the cache was made for another number of clients")
-        device = self.trainer.device
-        self.theta0 = cache.tensors("theta0.safetensors", device=device)
-        self.params = cache.tensors("model.safetensors", device=device)
-        self.unlearned = [int(c) for c in manifest.get("unlearned", [])]
-        self.total_client_steps = int(manifest.get("client_steps", 0))
-        return manifest
+    def restore_cache(self, cache: FLCache, manifest: dict[str, Any], device: torch.device) -> None:
+        """Restore the model."""
+        files = manifest.get("files", {})
+        self.params = (
+            cache.tensors("model.safetensors", device=device, manifest=manifest)
+            if "model.safetensors" in files
+            else None
+        )

@@ -51,6 +51,7 @@ from fedshard_lightning.engine import (
 )
 from fedshard_lightning.errors import ConfigError
 from fedshard_lightning.unlearning.base import UnlearnResult
+from fedshard_lightning.unlearning.context import AlgorithmContext
 from fedshard_lightning.unlearning.history import HistoryFedAvg
 
 __all__ = ["FedEraser", "calibrate_updates"]
@@ -94,6 +95,7 @@ class FedEraser(HistoryFedAvg):
     """
 
     name = "federaser"
+    exact = False
 
     def __init__(
         self, rounds: int = 20, delta_t: int = 2, calibration_ratio: float = 0.5, **kwargs: Any
@@ -126,14 +128,10 @@ class FedEraser(HistoryFedAvg):
         self.calibration_schedule = cal
         self.calibration_engine: FederatedEngine | None = None
 
-    def hparams(self) -> dict[str, Any]:
-        """FedAvg's settings plus the retention interval and the calibration ratio."""
-        return {**super().hparams(), "delta_t": self.delta_t, "calibration_ratio": self.calibration_ratio}
-
-    def attach(self, trainer: Any) -> None:
+    def setup(self, ctx: AlgorithmContext) -> None:
         """Build the training engine and the calibration engine (shorter local training, all clients)."""
-        super().attach(trainer)
-        self.calibration_engine = trainer.make_engine(self.calibration_schedule, 1.0)
+        super().setup(ctx)
+        self.calibration_engine = ctx.make_engine(self.calibration_schedule, 1.0)
 
     def _plan(self, clients: Sequence[int]) -> list[tuple[int, list[int]]]:
         rest = set(self.remaining(clients))
@@ -153,19 +151,19 @@ class FedEraser(HistoryFedAvg):
         server = 0.0
         steps = 0
         w = dict(self.theta0)
-        sizes = self.trainer.datamodule.client_sizes
+        sizes = self.ctx.client_sizes
         for r, cl in plan:
             res = self.train_round(w, cl, r, keep=True, engine=self.calibration_engine)
             steps += res.client_steps
             ids, _, new = self.client_updates(res)
             ts = time.perf_counter()
-            _, old = self.history.load(r, self.trainer.device)
+            _, old = self.history.load(r, self.ctx.device)
             pos = {c: i for i, c in enumerate(self.history.participants[r])}
-            rows = torch.as_tensor([pos[c] for c in ids], device=self.trainer.device)
+            rows = torch.as_tensor([pos[c] for c in ids], device=self.ctx.device)
             old = {k: v.index_select(0, rows) for k, v in old.items()}
             cal = calibrate_updates(old, new)
             n = torch.as_tensor([float(sizes[c]) for c in ids], dtype=torch.float64)
-            step = weighted_mean(cal, n.to(self.trainer.device))
+            step = weighted_mean(cal, n.to(self.ctx.device))
             w = {k: v + step[k] for k, v in w.items()}
             server += time.perf_counter() - ts
         seconds = time.perf_counter() - t

@@ -130,6 +130,7 @@ class FedRecover(HistoryFedAvg):
     """
 
     name = "fedrecover"
+    exact = False
 
     def __init__(
         self,
@@ -157,18 +158,6 @@ class FedRecover(HistoryFedAvg):
         self.buffer_size = buffer_size
         self.min_cosine = float(min_cosine)
         self.clip_estimates = bool(clip_estimates)
-
-    def hparams(self) -> dict[str, Any]:
-        """FedAvg's settings plus the recovery schedule."""
-        return {
-            **super().hparams(),
-            "warmup_rounds": self.warmup_rounds,
-            "correction_period": self.correction_period,
-            "final_tuning_rounds": self.final_tuning_rounds,
-            "buffer_size": self.buffer_size,
-            "min_cosine": self.min_cosine,
-            "clip_estimates": self.clip_estimates,
-        }
 
     def is_exact(self, t: int) -> bool:
         """Whether recovery round ``t`` asks the clients for exact updates."""
@@ -219,8 +208,8 @@ class FedRecover(HistoryFedAvg):
         rest_set = set(rest)
         predicted = self.predict_cost(clients)
         retrain = self.retrain_cost(clients)
-        device = self.trainer.device
-        sizes = self.trainer.datamodule.client_sizes
+        device = self.ctx.device
+        sizes = self.ctx.client_sizes
         buffers: dict[int, deque[tuple[Tensor, Tensor]]] = {}
         t0 = time.perf_counter()
         server = 0.0

@@ -1,7 +1,8 @@
 """FedShard: sharded federated learning with exact, fair and fast federated unlearning.
 
-The paper is in ``shared/paper`` (Algorithm 1 "FedShard Federated Learning", Algorithm 2 "FedShard Federated
-Unlearning", Appendix D), made precise by SPEC sections 2, 4-7.
+Paper: *FedShard: Federated Unlearning with Efficiency Fairness and Performance Fairness*
+(``shared/paper``): Algorithm 1 "FedShard Federated Learning", Algorithm 2 "FedShard Federated
+Unlearning", Appendix D; made precise by SPEC sections 2, 4-7.
 
 Training builds a frozen shard tree bottom-up: every client is a leaf; stage p merges the shards of
 stage p-1, R at a time (A1: direction-balanced merging by the signed contribution angle alpha),
@@ -24,16 +25,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
-from fedshard_lightning.cache import FLCache
 from fedshard_lightning.engine import Group, RoundInfo, TrainResult
 from fedshard_lightning.engine.aggregate import mix_rows
-from fedshard_lightning.errors import CacheError, ConfigError
+from fedshard_lightning.errors import ConfigError
 from fedshard_lightning.sharding import (
     A1Merge,
     A2Rounds,
@@ -48,48 +47,10 @@ from fedshard_lightning.sharding import (
     signed_angles,
 )
 from fedshard_lightning.unlearning.base import Algorithm, UnlearnResult
+from fedshard_lightning.unlearning.context import AlgorithmContext
+from fedshard_lightning.unlearning.shard_state import ShardCache, ShardRecord
 
 __all__ = ["FedShard", "ShardRecord"]
-
-
-@dataclass
-class ShardRecord:
-    """What FLCache keeps of a shard besides its model."""
-
-    children: list[int]
-    clients: list[int]
-    weight: float
-    alpha: float
-    rounds: int
-    remaining: list[int]
-
-    @property
-    def empty(self) -> bool:
-        """No client of this shard remains (it disappeared after unlearning)."""
-        return not self.remaining
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON form."""
-        return {
-            "children": self.children,
-            "clients": self.clients,
-            "weight": self.weight,
-            "alpha": self.alpha,
-            "rounds": self.rounds,
-            "remaining": self.remaining,
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ShardRecord:
-        """Inverse of :meth:`to_dict`."""
-        return cls(
-            [int(c) for c in d["children"]],
-            [int(c) for c in d["clients"]],
-            float(d["weight"]),
-            float(d["alpha"]),
-            int(d["rounds"]),
-            [int(c) for c in d["remaining"]],
-        )
 
 
 def _merge_policy(merge: str | MergePolicy) -> MergePolicy:
@@ -102,7 +63,7 @@ def _merge_policy(merge: str | MergePolicy) -> MergePolicy:
     raise ConfigError(f"algorithm.merge={merge!r}: choose a1, random or a MergePolicy class_path")
 
 
-class FedShard(Algorithm):
+class FedShard(ShardCache, Algorithm):
     """Sharded FedAvg with exact unlearning.
 
     Args:
@@ -121,6 +82,7 @@ class FedShard(Algorithm):
     """
 
     name = "fedshard"
+    state_fields = (*Algorithm.state_fields, "tree", "records", "models", "stage_seconds")
 
     def __init__(
         self,
@@ -144,7 +106,6 @@ class FedShard(Algorithm):
             raise ConfigError(f"algorithm.t0={t0!r}, algorithm.t1={t1!r}: need integers with 1 <= t0 <= t1")
         self.merge_rate = merge_rate
         self.merge_policy = _merge_policy(merge)
-        self.merge_name = merge if isinstance(merge, str) else type(merge).__name__
         if isinstance(rounds, RoundPolicy):
             self.round_policy = rounds
         elif rounds == "a2":
@@ -157,37 +118,55 @@ class FedShard(Algorithm):
             raise ConfigError(
                 f"algorithm.rounds={rounds!r}: choose a2, fixed, auto or a RoundPolicy class_path"
             )
-        self.rounds_name = rounds if isinstance(rounds, str) else type(rounds).__name__
         self.t0, self.t1, self.fixed_rounds = t0, t1, fixed_rounds
         self.merge_weighting = merge_weighting
-        self.theta0: dict[str, Tensor] | None = None
+        self._fresh_round_policy = self.round_policy.state_dict()
         self.tree: ShardTree | None = None
         self.records: list[list[ShardRecord]] = []
         self.models: list[dict[str, Tensor]] = []
-        self.total_client_steps = 0
         self.stage_seconds: list[float] = []
         self._sizes: list[int] = []
         self._steps: list[int] = []
-        # (cache root, version, {stage: models}): the in-memory stage models that are the files of
-        # that committed version, so the next commit hard-links the stages that did not change.
-        self._committed: tuple[str, str, dict[int, dict[str, Tensor]]] | None = None
+        self._committed = None  # see ShardCache
 
-    def hparams(self) -> dict[str, Any]:
-        """Base settings plus the tree and round settings."""
+    def setup(self, ctx: AlgorithmContext) -> None:
+        """Build the engine; remember every client's sample count and local steps per round."""
+        super().setup(ctx)
+        self._sizes = [int(n) for n in ctx.client_sizes]
+        self._steps = [self.schedule.num_steps(n) for n in self._sizes]
+
+    def initial_state(self, theta0: dict[str, Tensor]) -> dict[str, Any]:
+        """An empty tree over the K clients; the round policy forgets any earlier calibration."""
+        self.round_policy.load_state_dict(self._fresh_round_policy)
+        tree = ShardTree(self.num_clients, self.merge_rate)
         return {
-            **super().hparams(),
-            "merge_rate": self.merge_rate,
-            "merge": repr(self.merge_policy),
-            "rounds": repr(self.round_policy),
-            "merge_weighting": self.merge_weighting,
+            **super().initial_state(theta0),
+            "tree": tree,
+            "records": [],
+            "models": [],
+            "stage_seconds": [],
         }
 
-    # -- helpers ----------------------------------------------------------------------------------
-    def attach(self, trainer: Any) -> None:
-        """Build the engine; remember every client's sample count and local steps per round."""
-        super().attach(trainer)
-        self._sizes = [int(n) for n in trainer.datamodule.client_sizes]
-        self._steps = [self.schedule.num_steps(n) for n in self._sizes]
+    def reset(self, theta0: dict[str, Tensor], exclude: Sequence[int] = ()) -> None:
+        """A fresh fit; the tree always holds every client, so excluding some up front is refused."""
+        if exclude:
+            raise ConfigError(
+                f"exclude_clients={sorted(exclude)}: FedShard builds its tree with every client; fit with all "
+                "of them and unlearn these afterwards (audit then checks the result)"
+            )
+        super().reset(theta0)
+
+    def is_complete(self) -> bool:
+        """Every planned stage is trained."""
+        return len(self.records) == self.planned_stages
+
+    def progress(self) -> str:
+        """Stages trained so far."""
+        return f"training stopped after stage {len(self.records)} of {self.planned_stages}"
+
+    def run_files(self) -> dict[str, str]:
+        """``tree.txt``: the frozen tree, drawn."""
+        return {"tree.txt": self.tree.pretty() + "\n"}
 
     @property
     def planned_stages(self) -> int:
@@ -198,7 +177,7 @@ class FedShard(Algorithm):
         return 1.0 if self.merge_weighting == "clients" else float(self._sizes[c])
 
     def _merge_seed(self, stage: int) -> int:
-        return (self.trainer.seed * 1_000_003 + stage * 7919) % (2**32)
+        return (self.ctx.seed * 1_000_003 + stage * 7919) % (2**32)
 
     def _children_average(
         self,
@@ -238,12 +217,8 @@ class FedShard(Algorithm):
 
     # -- training ---------------------------------------------------------------------------------
     def fit(self) -> dict[str, Tensor]:
-        """Stages 1..P (or the remaining ones after a resume); returns theta_1^P."""
-        if self.tree is None:
-            self.theta0 = self.trainer.theta0
-            self.tree = ShardTree(self.num_clients, self.merge_rate)
-            self.records, self.models = [], []
-            self.total_client_steps = 0
+        """Stages after the last trained one (all of them from a fresh state); returns theta_1^P."""
+        events = self.events
         for stage in range(len(self.records) + 1, self.planned_stages + 1):
             t = time.perf_counter()
             if stage == 1:
@@ -271,11 +246,9 @@ class FedShard(Algorithm):
                 )
                 for i, sh in enumerate(shards)
             ]
-            self.trainer.fabric.call(
-                "on_stage_merge", self.trainer, stage=stage, groups=grouping, alphas=prev_alpha, rounds=rounds
-            )
+            events.stage_merge(stage, grouping, prev_alpha, rounds)
             groups = [Group(i, tuple(r.clients), r.rounds) for i, r in enumerate(records)]
-            self.trainer.stage_start(stage, groups)
+            events.stage_start(stage, groups)
             prev = self.models[-1] if self.models else None
             prev_rec = self.records[-1] if self.records else None
             init = self._children_average(stage, records, prev, prev_rec)
@@ -299,18 +272,21 @@ class FedShard(Algorithm):
                 "rounds_min": float(min(r.rounds for r in records)),
                 "rounds_max": float(max(r.rounds for r in records)),
             }
-            acc, loss = self.trainer.evaluate(self._stage_average(stage))
+            acc, loss = events.evaluate(self._stage_average(stage))
             stage_metrics.update(test_accuracy=acc, test_loss=loss)
-            self.trainer.stage_end(stage, stage_metrics)
-        if self.trainer.is_global_zero and self.trainer.run_dir is not None:
-            (self.trainer.run_dir / "tree.txt").write_text(self.tree.pretty() + "\n")
+            events.stage_end(stage, stage_metrics)
         return self.current_params()
 
     def _stage_average(self, stage: int) -> dict[str, Tensor]:
-        """theta^p: weighted average of the live shards of a stage."""
+        """theta^p for the stage's test accuracy: the live shards weighted by their training samples.
+
+        Sample weights, like the per-round accuracy (``fedshard_lightning.loop``), so the per-round
+        and per-stage curves describe the same model; the merge weights (``merge_weighting``)
+        still decide how children are averaged into a shard's initial model.
+        """
         recs = self.records[stage - 1]
         models = self.models[stage - 1]
-        w = torch.tensor([0.0 if r.empty else r.weight for r in recs], dtype=torch.float64)
+        w = torch.tensor([float(sum(self._sizes[c] for c in r.remaining)) for r in recs], dtype=torch.float64)
         w = w / w.sum()
         return {k: (v * w.to(v).view(-1, *[1] * (v.ndim - 1))).sum(0) for k, v in models.items()}
 
@@ -453,97 +429,3 @@ class FedShard(Algorithm):
             "shards": per_shard,
             "lines": lines,
         }
-
-    # -- cache ------------------------------------------------------------------------------------
-    def write_cache(self, cache: FLCache, label: str) -> str:
-        """theta^0, every completed stage's shard models, and the tree's records."""
-        manifest = {
-            **self.manifest_base(complete=len(self.records) == self.planned_stages),
-            "merge_rate": self.merge_rate,
-            "planned_stages": self.planned_stages,
-            "client_sizes": list(self._sizes),
-            "tree": self.tree.to_dict(),
-            "stages": [[r.to_dict() for r in recs] for recs in self.records],
-            "round_policy_state": self.round_policy.state_dict(),
-        }
-        tensors = {"theta0.safetensors": self.theta0}
-        reuse = {}
-        base_version = cache.current() if cache.exists() else None
-        base = cache.manifest(base_version) if base_version is not None else None
-        for p, m in enumerate(self.models, start=1):
-            fname = f"stage_{p}.safetensors"
-            if (
-                base is not None
-                and fname in base["files"]
-                and self._stage_unchanged(p, base, cache, base_version)
-            ):
-                reuse[fname] = fname
-            else:
-                tensors[fname] = m
-        if "theta0.safetensors" in (base or {}).get("files", {}):
-            reuse["theta0.safetensors"] = "theta0.safetensors"
-            del tensors["theta0.safetensors"]
-        version = cache.commit(cache.next_name(label), manifest, tensors, reuse=reuse)
-        self._mark_committed(cache, version)
-        return version
-
-    def _mark_committed(self, cache: FLCache, version: str) -> None:
-        """Remember that the current stage models are the files of ``version``."""
-        self._committed = (str(cache.root), version, dict(enumerate(self.models, start=1)))
-
-    def _stage_unchanged(self, stage: int, base: dict[str, Any], cache: FLCache, base_version: str) -> bool:
-        """Whether stage ``stage``'s file in ``base_version`` holds exactly the current records and models.
-
-        True for the stages a fit committed before (each stage commit hard-links the earlier
-        stages instead of rewriting them) and for stages loaded from ``base_version``.
-        """
-        stages = base.get("stages", [])
-        committed = self._committed
-        return (
-            committed is not None
-            and committed[0] == str(cache.root)
-            and committed[1] == base_version
-            and committed[2].get(stage) is self.models[stage - 1]
-            and base.get("fingerprint") == self.trainer.fingerprint
-            and len(stages) >= stage
-            and stages[stage - 1] == [r.to_dict() for r in self.records[stage - 1]]
-        )
-
-    def _restore(self, cache: FLCache) -> dict[str, Any]:
-        manifest = self.trainer.check_manifest(cache, self.name)
-        version = cache.current()
-        if manifest.get("num_clients") != self.num_clients or manifest.get("merge_rate") != self.merge_rate:
-            raise CacheError(f"{cache.root}: the cache was made for another number of clients or merge rate")
-        device = self.trainer.device
-        self.theta0 = cache.tensors("theta0.safetensors", version=version, device=device, manifest=manifest)
-        try:
-            self.tree = ShardTree.from_dict(manifest["tree"])
-            self.records = [[ShardRecord.from_dict(r) for r in recs] for recs in manifest["stages"]]
-        except (KeyError, TypeError, ValueError) as e:
-            raise CacheError(f"{cache.root}: the manifest's tree is malformed ({e})") from None
-        self.models = [
-            cache.tensors(f"stage_{p}.safetensors", version=version, device=device, manifest=manifest)
-            for p in range(1, len(self.records) + 1)
-        ]
-        self._mark_committed(cache, version)
-        self.unlearned = [int(c) for c in manifest.get("unlearned", [])]
-        self.total_client_steps = int(manifest.get("client_steps", 0))
-        if "round_policy_state" in manifest:
-            self.round_policy.load_state_dict(manifest["round_policy_state"])
-        return manifest
-
-    def resume(self, cache: FLCache) -> bool:
-        """Continue an interrupted fit after its last complete stage."""
-        manifest = self._restore(cache)
-        if self.unlearned:
-            raise CacheError(f"{cache.root}: this run has unlearning requests already; it cannot be resumed")
-        return bool(manifest.get("stages") is not None)
-
-    def load_cache(self, cache: FLCache) -> None:
-        """Restore a finished fit (with every applied request)."""
-        manifest = self._restore(cache)
-        if not manifest.get("complete"):
-            raise CacheError(
-                f"{cache.root}: training stopped after stage {len(self.records)} of {self.planned_stages}; "
-                "resume it with fit --ckpt_path RUN_DIR first"
-            )

@@ -128,10 +128,16 @@ class HistoryFedAvg(FedAvg):
         **kwargs: Local training settings, see :class:`~fedshard_lightning.unlearning.base.Algorithm`.
     """
 
+    state_fields = (*FedAvg.state_fields, "history")
+
     def __init__(self, rounds: int = 20, keep_every: int = 1, **kwargs: Any) -> None:
         super().__init__(rounds=rounds, **kwargs)
         self.keep_every = int(keep_every)
         self.history = UpdateHistory()
+
+    def initial_state(self, theta0: dict[str, Tensor]) -> dict[str, Any]:
+        """No model and no retained round yet."""
+        return {**super().initial_state(theta0), "history": UpdateHistory()}
 
     # -- rounds -----------------------------------------------------------------------------------
     def _group(self, clients: Sequence[int]) -> Group:
@@ -152,8 +158,10 @@ class HistoryFedAvg(FedAvg):
         if engine is not None:
             return engine.train_groups(init, [group], r, None, keep)
 
+        events = self.events
+
         def hook(info: RoundInfo, state: dict[str, Tensor]) -> None:
-            self.trainer.round_end(replace(info, stage=0, round=r), state, [group])
+            events.round_end(replace(info, stage=0, round=r), state, [group])
 
         return self.train(init, [group], r, hook if report else None, keep_client_params=keep, report=False)
 
@@ -168,18 +176,10 @@ class HistoryFedAvg(FedAvg):
         """The engine's keyed participants of round ``r`` among ``clients``."""
         return self.engine.participants(r, self._group(clients), 0)
 
-    def remaining(self, clients: Sequence[int]) -> list[int]:
-        """Active clients without ``clients``."""
-        gone = set(clients)
-        return [c for c in self.active_clients if c not in gone]
-
     def fit(self) -> dict[str, Tensor]:
         """``rounds`` FedAvg rounds from theta^0, committing each retained round to the cache."""
-        self.theta0 = self.trainer.theta0
-        self.history = UpdateHistory()
-        self.params = None
         clients = tuple(self.active_clients)
-        self.trainer.stage_start(0, [Group(0, clients, self.rounds)])
+        self.events.stage_start(0, [Group(0, clients, self.rounds)])
         w, steps = self.theta0, 0
         for r in range(self.rounds):
             keep = r % self.keep_every == 0
@@ -190,10 +190,10 @@ class HistoryFedAvg(FedAvg):
             w = unstack_params(res.params, 0)
             steps += res.client_steps
             self.total_client_steps = steps
-            if keep and self.trainer.is_global_zero and self.trainer.cache is not None:
-                self.write_cache(self.trainer.cache, f"round-{r + 1}")  # spill: memory holds one round
+            if keep:
+                self.events.checkpoint(f"round-{r + 1}")  # spill: memory holds one round
         self.params = w
-        self.trainer.stage_end(0, {"client_steps": float(steps)})
+        self.events.stage_end(0, {"client_steps": float(steps)})
         return self.params
 
     # -- costs ------------------------------------------------------------------------------------
@@ -203,23 +203,23 @@ class HistoryFedAvg(FedAvg):
         return sum(self.engine.client_steps_of(self.participants(r, rest)) for r in range(self.rounds))
 
     # -- cache ------------------------------------------------------------------------------------
-    def write_cache(self, cache: FLCache, label: str) -> str:
-        """theta^0, the current model, the retained rounds (hard links once written)."""
-        manifest = {**self.manifest_base(complete=self.params is not None), "history": self.history.to_dict()}
-        tensors, reuse = self.history.files(cache)
-        base = cache.manifest() if cache.exists() else {"files": {}, "fingerprint": None}
-        if "theta0.safetensors" in base["files"] and base.get("fingerprint") == self.trainer.fingerprint:
-            reuse["theta0.safetensors"] = "theta0.safetensors"
-        else:
-            tensors["theta0.safetensors"] = self.theta0
-        if self.params is not None:
-            tensors["model.safetensors"] = self.params
-        version = cache.commit(cache.next_name(label), manifest, tensors, reuse=reuse)
-        self.history.committed(cache, version)
-        return version
+    def cache_files(
+        self, cache: FLCache
+    ) -> tuple[dict[str, Any], dict[str, dict[str, Tensor]], dict[str, str]]:
+        """The current model and the retained rounds (hard links once written)."""
+        fields, tensors, reuse = super().cache_files(cache)
+        hist_tensors, hist_reuse = self.history.files(cache)
+        return (
+            {**fields, "history": self.history.to_dict()},
+            {**tensors, **hist_tensors},
+            {**reuse, **hist_reuse},
+        )
 
-    def load_cache(self, cache: FLCache) -> dict[str, Any]:
-        """Restore theta^0, the model, the retained rounds (read lazily) and the unlearned set."""
-        manifest = super().load_cache(cache)
+    def committed(self, cache: FLCache, version: str) -> None:
+        """The retained rounds are on disk now: free their memory copies."""
+        self.history.committed(cache, version)
+
+    def restore_cache(self, cache: FLCache, manifest: dict[str, Any], device: torch.device) -> None:
+        """Restore the model and the retained rounds (read lazily)."""
+        super().restore_cache(cache, manifest, device)
         self.history = UpdateHistory.from_cache(cache, manifest.get("history", {}))
-        return manifest

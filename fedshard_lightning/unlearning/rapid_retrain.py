@@ -35,11 +35,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fedshard_lightning.cache import FLCache
 from fedshard_lightning.engine import FederatedEngine, Group, stack_params, unstack_params
 from fedshard_lightning.engine.optim import OptimizerSpec
 from fedshard_lightning.errors import ConfigError
 from fedshard_lightning.unlearning.base import UnlearnResult
+from fedshard_lightning.unlearning.context import AlgorithmContext
 from fedshard_lightning.unlearning.fedavg import FedAvg
 
 __all__ = ["FisherPreconditionedSGD", "RapidRetrain"]
@@ -107,6 +107,7 @@ class RapidRetrain(FedAvg):
     """
 
     name = "rapid_retrain"
+    exact = False
 
     def __init__(
         self,
@@ -136,20 +137,10 @@ class RapidRetrain(FedAvg):
         self.unlearn_rounds = unlearn_rounds
         self.unlearn_engine: FederatedEngine | None = None
 
-    def hparams(self) -> dict[str, Any]:
-        """FedAvg's settings plus the rapid-retraining ones."""
-        return {
-            **super().hparams(),
-            "fisher_momentum": self.fisher_momentum,
-            "damping": self.damping,
-            "lr": self.lr,
-            "unlearn_rounds": self.unlearn_rounds,
-        }
-
-    def attach(self, trainer: Any) -> None:
+    def setup(self, ctx: AlgorithmContext) -> None:
         """Build the training engine and the unlearning engine (Fisher-preconditioned client optimizer)."""
-        super().attach(trainer)
-        engine = trainer.make_engine(self.schedule, self.client_fraction)
+        super().setup(ctx)
+        engine = ctx.make_engine(self.schedule, self.client_fraction)
         hp = {"lr": self.lr, "momentum": self.fisher_momentum, "damping": self.damping}
         spec = OptimizerSpec(
             FisherPreconditionedSGD, tuple((names, dict(hp)) for names, _ in engine.spec.groups)
@@ -161,8 +152,7 @@ class RapidRetrain(FedAvg):
 
     def predict_cost(self, clients: Sequence[int]) -> int:
         """Steps of ``unlearn_rounds`` rounds of the remaining clients."""
-        gone = set(clients)
-        group = self._group([c for c in self.active_clients if c not in gone])
+        group = self._group(self.remaining(clients))
         eng = self.unlearn_engine
         return sum(eng.client_steps_of(eng.participants(0, group, r)) for r in range(self.unlearn_rounds))
 
@@ -172,8 +162,7 @@ class RapidRetrain(FedAvg):
 
     def unlearn(self, clients: Sequence[int]) -> UnlearnResult:
         """Rapid retraining from theta^0 without ``clients`` (and every earlier unlearned client)."""
-        gone = set(clients)
-        group = self._group([c for c in self.active_clients if c not in gone])
+        group = self._group(self.remaining(clients))
         predicted = self.predict_cost(clients)
         retrain = self.retrain_cost(clients)
         t = time.perf_counter()
@@ -189,11 +178,3 @@ class RapidRetrain(FedAvg):
             seconds,
             details={"unlearn_rounds": self.unlearn_rounds},
         )
-
-    def write_cache(self, cache: FLCache, label: str) -> str:
-        """theta^0, the current model, the unlearned clients and the trainer's request log."""
-        manifest = self.manifest_base(complete=self.params is not None)
-        tensors = {"theta0.safetensors": self.theta0}
-        if self.params is not None:
-            tensors["model.safetensors"] = self.params
-        return cache.commit(cache.next_name(label), manifest, tensors)

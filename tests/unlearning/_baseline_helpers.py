@@ -23,11 +23,10 @@ def make(
     unlearned: list[int] | None = None,
     **alg: Any,
 ) -> tuple[FederatedTrainer, MLP, SyntheticDataModule]:
-    """A fresh (trainer, model, datamodule) for ``factory(**alg)``, optionally with clients already gone."""
+    """A fresh (trainer, model, datamodule) for ``factory(**alg)`` (``unlearned``: see :func:`fit`)."""
     alg.setdefault("rounds", 3)
     alg.setdefault("batch_size", 5)
     algorithm = factory(**alg)
-    algorithm.unlearned = sorted(unlearned or [])
     dm = SyntheticDataModule(
         num_clients=k, partition="iid", num_samples=k * 8, num_test=20, shape=(4,), num_classes_=3
     )
@@ -43,10 +42,15 @@ def make(
     return trainer, model, dm
 
 
-def fit(root: Path, factory: Callable[..., Algorithm], **kw: Any) -> FederatedTrainer:
-    """Fit and return the trainer (its algorithm holds the trained state)."""
+def fit(
+    root: Path, factory: Callable[..., Algorithm], unlearned: list[int] | None = None, **kw: Any
+) -> FederatedTrainer:
+    """Fit and return the trainer (its algorithm holds the trained state).
+
+    ``unlearned``: train as if these clients had left before training (the retraining reference).
+    """
     trainer, model, dm = make(root, factory, **kw)
-    trainer.fit(model, dm)
+    trainer.fit(model, dm, exclude_clients=unlearned)
     return trainer
 
 

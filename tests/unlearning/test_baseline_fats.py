@@ -6,6 +6,7 @@ import torch
 from _baseline_helpers import fit, max_diff
 
 from fedshard_lightning.unlearning import FATS
+from fedshard_lightning.unlearning.context import AlgorithmContext
 
 SCRIPT = {0: [0, 2], 1: [2, 3], 2: [1, 3], 3: [0, 4]}
 
@@ -66,8 +67,7 @@ def test_keyed_sampler_unlearning_equals_training_without_the_client(run_root):
 def test_sampler_is_uniform_with_replacement_and_coupled():
     """Rejection from all ids: uniform over the population; removing an undrawn client changes nothing."""
     alg = FATS(sample_size=3)
-    alg.trainer = type("T", (), {"seed": 7})()
-    alg.trainer.datamodule = type("D", (), {"client_indices": [None] * 10})()
+    alg.ctx = AlgorithmContext(make_engine=None, client_sizes=[1] * 10, seed=7)
     counts = torch.zeros(10)
     for r in range(400):
         for c in alg.sample(r, [1, 3, 4, 8]):

@@ -46,7 +46,8 @@ def test_calibration_matches_numpy_reference():
 
 
 def test_history_and_end_to_end_unlearning(run_root):
-    alg = fit(run_root, FedEraser, rounds=4, delta_t=2, local_epochs=2).algorithm
+    trainer = fit(run_root, FedEraser, rounds=4, delta_t=2, local_epochs=2)
+    alg = trainer.algorithm
     assert alg.history.rounds == [0, 2]
     assert alg.calibration_schedule.local_epochs == 1
     start, _ = alg.history.load(0, "cpu")
@@ -59,13 +60,13 @@ def test_history_and_end_to_end_unlearning(run_root):
     assert res.client_steps == res.predicted_client_steps == 2 * steps
     assert res.retrain_client_steps == 4 * alg.engine.client_steps_of([0, 1, 2, 4, 5]) == 4 * res.client_steps
     assert res.server_seconds > 0
-    files = FLCache(alg.trainer.run_dir / "cache").manifest()["files"]
+    files = FLCache(trainer.run_dir / "cache").manifest()["files"]
     assert {"round_0000.safetensors", "round_0002.safetensors", "theta0.safetensors"} <= set(files)
     assert "round_0001.safetensors" not in files
 
     # reference replay of the retained rounds, with the calibration formula in numpy
     rest = [0, 1, 2, 4, 5]
-    sizes = np.array([alg.trainer.datamodule.client_sizes[c] for c in rest], dtype=float)
+    sizes = np.array([alg.ctx.client_sizes[c] for c in rest], dtype=float)
     w = {k: v.clone() for k, v in alg.theta0.items()}
     for r in (0, 2):
         out = alg.calibration_engine.train_groups(

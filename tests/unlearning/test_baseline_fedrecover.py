@@ -95,7 +95,7 @@ def test_exact_round_schedule():
 
 def test_history_holds_every_round(run_root):
     alg = fit(run_root, FedRecover, rounds=3).algorithm
-    sizes = alg.trainer.datamodule.client_sizes
+    sizes = alg.ctx.client_sizes
     for t in range(3):
         start, updates = alg.history.load(t, "cpu")
         w = torch.tensor([float(sizes[c]) for c in alg.history.participants[t]], dtype=torch.float64)

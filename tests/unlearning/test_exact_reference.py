@@ -113,7 +113,7 @@ def test_unlearned_model_equals_independent_from_scratch_fedavg(tmp_path, vector
     tr.fit(model, dm)
     run = tr.run_dir
     names = [n for n, _ in model.named_parameters()]
-    theta0 = torch.cat([tr.theta0[n].reshape(-1) for n in names])  # the frozen tree's root
+    theta0 = torch.cat([tr.algorithm.theta0[n].reshape(-1) for n in names])  # the frozen tree's root
     for gone in ([3], [0, 6]):
         ut = _trainer(tmp_path, vectorize)
         ut.unlearn(*_fresh(), str(run), gone)

@@ -1,0 +1,220 @@
+"""The trainer's side of the loop events: callbacks, per-round metrics and the commit after each stage.
+
+:class:`TrainerEvents` is the :class:`~fedshard_lightning.unlearning.context.LoopEvents` that
+the trainer hands an algorithm during ``fit``. It measures every round (sample-weighted train
+loss; test accuracy of the sample-weighted average of the groups' models), fires the callbacks
+with ``Fabric.call``, and commits FLCache at every ``stage_end`` and ``checkpoint``, whatever the
+algorithm.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from torch import Tensor
+
+from fedshard_lightning.cache import atomic_write_bytes, atomic_write_json
+from fedshard_lightning.engine import FederatedEngine, Group, LocalSchedule, RoundInfo
+from fedshard_lightning.engine.allocator import configure_process
+from fedshard_lightning.errors import CacheError, ConfigError
+from fedshard_lightning.loggers import finish_loggers
+from fedshard_lightning.run_dir import Journal, model_is_stale, recover_reports
+from fedshard_lightning.unlearning.context import AlgorithmContext, LoopEvents
+
+__all__ = ["TrainerEvents", "run_fit", "sample_weighted_average"]
+
+
+def sample_weighted_average(
+    state: dict[str, Tensor], groups: Sequence[Sequence[int]], sizes: Sequence[int]
+) -> dict[str, Tensor]:
+    """Average of stacked group models ``[G, ...]``, each weighted by its clients' training samples.
+
+    Per-round and per-stage test accuracy both use it, so the two curves describe the same model.
+    """
+    w = torch.tensor([float(sum(sizes[c] for c in g)) for g in groups], dtype=torch.float64)
+    w = w / w.sum()
+    return {k: (v * w.to(v).view(-1, *[1] * (v.ndim - 1))).sum(0) for k, v in state.items()}
+
+
+class TrainerEvents(LoopEvents):
+    """Loop events of one trainer call (``fit``); see the module docstring."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        self.global_round = 0
+        self.client_steps = 0
+
+    def context(self) -> AlgorithmContext:
+        """What the algorithm sees of this trainer's run: engines, client sizes, seed, device, these events."""
+        t = self.trainer
+
+        def make_engine(schedule: LocalSchedule, client_fraction: float) -> FederatedEngine:
+            return FederatedEngine(
+                t.module,
+                t.datamodule,
+                schedule,
+                seed=t.seed,
+                client_fraction=client_fraction,
+                vectorize=t.vectorize,
+                max_chunk_clients=t.max_chunk_clients,
+                memory_budget_mb=t.memory_budget_mb,
+            )
+
+        return AlgorithmContext(
+            make_engine=make_engine,
+            client_sizes=t.client_sizes,
+            seed=t.seed,
+            device=t.device,
+            events=self,
+            world_size=t.fabric.world_size,
+            global_rank=t.fabric.global_rank,
+            all_gather=t.fabric.all_gather,
+        )
+
+    def stage_start(self, stage: int, groups: Sequence[Group]) -> None:
+        """Fire ``on_stage_start``."""
+        self.trainer.fabric.call("on_stage_start", self.trainer, stage=stage, groups=groups)
+
+    def stage_merge(self, stage: int, groups: Any, alphas: Any, rounds: Any) -> None:
+        """Fire ``on_stage_merge``."""
+        t = self.trainer
+        t.fabric.call("on_stage_merge", t, stage=stage, groups=groups, alphas=alphas, rounds=rounds)
+
+    def round_end(self, info: RoundInfo, state: dict[str, Tensor], groups: Sequence[Group]) -> None:
+        """Measure the round, then fire ``on_round_end``."""
+        t = self.trainer
+        self.client_steps += info.client_steps
+        sizes = t.client_sizes
+        active_w = [sum(sizes[c] for c in p) for p in info.participants]
+        train_loss = sum(w * loss for w, loss in zip(active_w, info.mean_loss)) / max(sum(active_w), 1)
+        metrics: dict[str, float] = {
+            "stage": float(info.stage),
+            "round": float(info.round),
+            "train_loss": float(train_loss),
+            "participants": float(sum(len(p) for p in info.participants)),
+            "client_steps": float(self.client_steps),
+            "round_seconds": info.seconds,
+        }
+        self.global_round += 1
+        if t.eval_every_n_rounds and self.global_round % t.eval_every_n_rounds == 0:
+            avg = sample_weighted_average(state, [g.clients for g in groups], sizes)
+            acc, loss = t.evaluate(avg)
+            metrics.update(test_accuracy=acc, test_loss=loss)
+        metrics["global_round"] = float(self.global_round)
+        t.history.append(metrics)
+        t.fabric.call("on_round_end", t, info=info, metrics=metrics)
+
+    def stage_end(self, stage: int, metrics: dict[str, float] | None = None) -> None:
+        """Commit the stage (rank zero), wait for every rank, then fire ``on_stage_end``."""
+        self.checkpoint(f"stage-{stage}")
+        self.trainer.fabric.call("on_stage_end", self.trainer, stage=stage, metrics=metrics or {})
+
+    def checkpoint(self, label: str, complete: bool | None = None) -> None:
+        """Commit the algorithm's state now (complete: as the algorithm says, unless told)."""
+        t = self.trainer
+        complete = t.algorithm.is_complete() if complete is None else complete
+        t.store.commit(t.algorithm, label, complete, t.algorithm.engine.mode)
+        t.fabric.barrier()
+
+    def evaluate(self, params: dict[str, Tensor]) -> tuple[float, float]:
+        """The trainer's test-set evaluation."""
+        return self.trainer.evaluate(params)
+
+
+def run_fit(trainer: Any, run_dir: Path, resume: bool, exclude: list[int]) -> dict[str, Any]:
+    """``fit`` after setup: resume or reset the state, train, commit what no stage committed, write files.
+
+    A resumed run continues from the restored state (``Algorithm.resumable``); any other fit
+    resets the state first, so a reused algorithm instance trains like a fresh one. When the
+    algorithm reported no final ``stage_end``, the finished state is committed here.
+    """
+    if trainer.config_yaml is not None and trainer.is_global_zero and not (run_dir / "config.yaml").exists():
+        atomic_write_bytes(run_dir / "config.yaml", trainer.config_yaml.encode())
+    t0 = time.perf_counter()
+    alg, resumed, finished = trainer.algorithm, False, False
+    if resume and trainer.store.cache.exists():
+        manifest = trainer.store.restore(alg, trainer.device, trainer.vectorize)
+        if trainer.store.requests:
+            raise CacheError(
+                f"{trainer.store.cache.root}: this run has unlearning requests already; it cannot be resumed"
+            )
+        resumed = alg.resumable(manifest)
+        finished = resumed and bool(manifest.get("complete"))
+    if not resumed:
+        alg.reset(alg.engine.module_params(), exclude=exclude)
+        trainer.store.requests, trainer.store.complete_committed = [], False
+    trainer.fabric.call("on_fit_start", trainer)
+    params = alg.current_params() if finished else alg.fit()
+    if not trainer.store.complete_committed:  # the algorithm reported no final stage: commit it here
+        trainer._events.checkpoint("fit", complete=True)  # fit returned: the state is final
+    seconds = time.perf_counter() - t0
+    acc, loss = trainer.evaluate(params)
+    metrics = {
+        "test_accuracy": acc,
+        "test_loss": loss,
+        "client_steps": int(alg.total_client_steps),
+        "seconds": seconds,
+        "algorithm": alg.name,
+        "num_clients": len(trainer.client_sizes),
+        "vectorize_mode": alg.engine.mode,
+        "resumed": resumed,
+    }
+    if trainer.is_global_zero:
+        trainer._write_model(params)
+        atomic_write_json(run_dir / "metrics.json", metrics)
+        for name, text in alg.run_files().items():
+            (run_dir / name).write_text(text)
+    trainer.fabric.call("on_fit_end", trainer, metrics=metrics)
+    finish_loggers(trainer.fabric.loggers, trainer.wandb)
+    trainer._print(
+        f"fit done: test_accuracy={acc:.4f} test_loss={loss:.4f} client_steps={metrics['client_steps']} "
+        f"seconds={seconds:.1f} -> {run_dir}"
+    )
+    return metrics
+
+
+def launch_fabric(accelerator: str, devices: int | str, strategy: str, precision: str) -> L.Fabric:
+    """Create and launch Fabric (with ``strategy: ddp`` this starts the other processes)."""
+    try:
+        fabric = L.Fabric(accelerator=accelerator, devices=devices, strategy=strategy, precision=precision)
+    except (ValueError, TypeError, RuntimeError, MisconfigurationException) as e:
+        raise ConfigError(
+            f"trainer.accelerator={accelerator!r}, trainer.devices={devices!r}, "
+            f"trainer.strategy={strategy!r}, trainer.precision={precision!r}: {e}"
+        ) from None
+    fabric.launch()
+    configure_process(fabric.device)  # process-wide settings, once, at start-up
+    return fabric
+
+
+def load_run(trainer: Any, run_dir: Path) -> None:
+    """After setup: restore a finished run's state (fingerprint checked), then repair what a crash left.
+
+    The cache is the truth: ``model.safetensors`` is rewritten when it differs from the cache's
+    current model, and reports or journal lines of committed requests are re-created.
+    """
+    if not trainer.store.cache.exists():
+        raise CacheError(
+            f"{run_dir} has no committed FLCache (cache/CURRENT); was fit interrupted before stage 1?"
+        )
+    manifest = trainer.store.restore(trainer.algorithm, trainer.device, trainer.vectorize)
+    if not manifest.get("complete"):
+        raise CacheError(
+            f"{trainer.store.cache.root}: {trainer.algorithm.progress()}; "
+            "resume it with fit --ckpt_path RUN_DIR first"
+        )
+    if not trainer.is_global_zero:
+        return
+    # The cache is the truth: re-create what a crash after a commit may have left stale.
+    params = trainer.algorithm.current_params()
+    if model_is_stale(run_dir / "model.safetensors", params, trainer.device):
+        trainer._write_model(params)
+    else:
+        trainer._set_params(params)
+    recover_reports(run_dir, trainer.store.cache, trainer.store.requests, Journal(run_dir))

@@ -1,0 +1,187 @@
+"""The run directory: creating it, finding it again, its lock, its request journal and crash recovery.
+
+A run directory holds everything a run leaves behind::
+
+    runs/version_3/
+        config.yaml            resolved config (CLI runs)
+        model.safetensors      the current global model (after every applied unlearning request)
+        metrics.json           final metrics of fit
+        logs/metrics.csv       per-round metrics (CSV logger)
+        cache/                 FLCache (see fedshard_lightning.cache)
+        unlearning/0001/report.json, unlearn_report.json, unlearning/journal.jsonl
+
+The cache is the truth: :func:`recover_reports` re-creates request reports and journal entries
+that a crash between the cache commit and those files left missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fedshard_lightning.cache import FLCache, atomic_write_json, load_tensors
+from fedshard_lightning.errors import CacheError, ConfigError, FedShardError
+
+__all__ = ["Journal", "existing_run_dir", "model_is_stale", "new_run_dir", "recover_reports", "run_lock"]
+
+
+def new_run_dir(root_dir: str, run_name: str | None) -> Path:
+    """A new folder under the root, never an existing one; ``cache/`` inside marks it as a run."""
+    root = Path(root_dir)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(
+            f"trainer.default_root_dir={str(root)!r}: cannot create it ({e.strerror})"
+        ) from None
+    if run_name:
+        candidates: Iterator[Path] = iter([root / run_name])
+    else:
+        nums = [
+            int(p.name[8:]) for p in root.iterdir() if p.name.startswith("version_") and p.name[8:].isdigit()
+        ]
+        start = max(nums, default=-1) + 1
+        candidates = (root / f"version_{n}" for n in range(start, start + 10_000))
+    for path in candidates:
+        try:
+            path.mkdir()
+        except FileExistsError:
+            if run_name:
+                raise ConfigError(
+                    f"trainer.run_name={run_name!r}: {path} exists already; choose another name, or "
+                    f"resume it with --ckpt_path {path}"
+                ) from None
+            continue
+        except OSError as e:
+            raise ConfigError(
+                f"trainer.default_root_dir={str(root)!r}: cannot create {path} ({e.strerror})"
+            ) from None
+        (path / "cache").mkdir()  # a fit killed before its first commit can still be resumed
+        return path
+    raise ConfigError(f"trainer.default_root_dir={str(root)!r}: no free version_N folder name")
+
+
+def existing_run_dir(ckpt_path: str | None, command: str) -> Path:
+    """The run directory named by ``--ckpt_path``, refused when it is not one."""
+    if not ckpt_path:
+        raise ConfigError(f"{command} needs --ckpt_path RUN_DIR (the folder that fit created)")
+    path = Path(ckpt_path)
+    if not path.is_dir():
+        raise CacheError(f"ckpt_path={ckpt_path!r}: no such run directory")
+    if not (path / "cache").is_dir() and not (path / "model.safetensors").is_file():
+        raise CacheError(
+            f"ckpt_path={ckpt_path!r} is not a fedshard_lightning run directory (no cache/ inside)"
+        )
+    return path
+
+
+@contextlib.contextmanager
+def run_lock(run_dir: Path) -> Iterator[None]:
+    """Hold an exclusive lock on the run directory while a request reads and commits it.
+
+    Two ``unlearn`` processes on one run would each read the same version and the later commit
+    would drop the other's request; the second one now stops at once with a one-line error.
+    The lock is ``flock`` on the directory itself (no file is created), taken by the launching
+    process only (DDP workers have ``LOCAL_RANK`` or ``RANK`` > 0), and released on exit, even by a kill.
+    """
+    rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) or 0)
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock
+        fcntl = None
+    if rank != 0 or fcntl is None:
+        yield
+        return
+    fd = os.open(run_dir, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise FedShardError(
+                f"ckpt_path={run_dir}: another process is unlearning from this run now; "
+                "wait for it to finish, then run this request again"
+            ) from None
+        yield
+    finally:
+        os.close(fd)
+
+
+class Journal:
+    """``unlearning/journal.jsonl``: one fsync'ed line per request event (started, committed)."""
+
+    def __init__(self, run_dir: Path, enabled: bool = True) -> None:
+        self.path = run_dir / "unlearning" / "journal.jsonl"
+        self.enabled = enabled
+
+    def append(self, entry: dict[str, Any]) -> None:
+        """Append one event (rank zero only)."""
+        if not self.enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        entry = {"time": datetime.now(timezone.utc).isoformat(timespec="seconds"), **entry}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(entry) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def committed(self) -> set[int]:
+        """Request numbers with a ``committed`` line (lines torn by a crash are skipped)."""
+        done: set[int] = set()
+        if self.path.is_file():
+            for line in self.path.read_text().splitlines():
+                try:
+                    entry = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(entry, dict) and entry.get("event") == "committed":
+                    done.add(int(entry.get("request", -1)))
+        return done
+
+
+def model_is_stale(path: Path, params: dict[str, Tensor], device: torch.device) -> bool:
+    """Whether ``model.safetensors`` is missing, unreadable or differs from the cache's current model."""
+    try:
+        on_disk = load_tensors(path, device=device) if path.is_file() else {}
+    except CacheError:
+        return True
+    return any(k not in on_disk or not torch.equal(on_disk[k], v) for k, v in params.items())
+
+
+def _version_with_requests(cache: FLCache, n: int) -> str | None:
+    """The oldest cache version whose manifest holds at least ``n`` requests (where request n landed)."""
+    for version in cache.versions():
+        try:
+            if len(cache.manifest(version).get("requests", [])) >= n:
+                return version
+        except CacheError:
+            continue
+    return None
+
+
+def recover_reports(run_dir: Path, cache: FLCache, requests: list[dict[str, Any]], journal: Journal) -> None:
+    """Write the report and the journal entry of every request the cache holds but the files miss."""
+    committed = journal.committed()
+    for i, report in enumerate(requests, start=1):
+        rpath = run_dir / "unlearning" / f"{i:04d}" / "report.json"
+        version = report.get("cache_version") or _version_with_requests(cache, i)
+        if not rpath.is_file():
+            report = {**report, "cache_version": version}
+            rpath.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(rpath, report)
+            atomic_write_json(run_dir / "unlearn_report.json", report)
+        if i not in committed:
+            entry = {
+                "event": "committed",
+                "request": i,
+                "clients": report["clients"],
+                "cache_version": version,
+            }
+            journal.append({**entry, "recovered": True})

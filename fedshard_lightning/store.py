@@ -1,0 +1,121 @@
+"""The run's FLCache as the trainer uses it: every commit, every load, and the fingerprint check.
+
+Algorithms only say which files their state is (:meth:`Algorithm.cache_files`) and how to read
+them back (:meth:`Algorithm.restore_cache`); :class:`RunStore` adds what every manifest carries
+(algorithm, fingerprint, init args, the base state, the request log, seed, vectorization mode),
+writes ``theta0`` once and hard-links it afterwards, commits, and restores the base state itself,
+so no algorithm can forget to persist ``unlearned`` or ``total_client_steps``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fedshard_lightning.cache import FLCache
+from fedshard_lightning.errors import CacheError
+from fedshard_lightning.init_args import init_args
+from fedshard_lightning.unlearning.base import Algorithm
+
+__all__ = ["RunStore"]
+
+
+def _same_tensors(a: Any, b: Any) -> bool:
+    """The same tensor objects under the same names (state dicts copy the dict, never the tensors)."""
+    return (
+        isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys() and all(a[k] is b[k] for k in a)
+    )
+
+
+class RunStore:
+    """FLCache of one run, bound to the configured run's fingerprint.
+
+    Args:
+        cache: The run's cache folder.
+        fingerprint: The configured run's fingerprint; a cache with another one is refused.
+        seed: The training seed (recorded).
+        write: Whether this process writes (rank zero); others only read.
+    """
+
+    def __init__(self, cache: FLCache, fingerprint: str, seed: int, write: bool = True) -> None:
+        self.cache, self.fingerprint, self.seed, self.write = cache, fingerprint, seed, write
+        self.requests: list[dict[str, Any]] = []
+        self.complete_committed = False
+        self._theta0: Any = None  # the theta0 object that the current version holds
+
+    def check(self, algorithm_name: str) -> dict[str, Any]:
+        """The current manifest, refused when it belongs to another config, data or algorithm."""
+        manifest = self.cache.manifest()
+        if manifest.get("algorithm") != algorithm_name:
+            raise CacheError(
+                f"{self.cache.root} was written by algorithm {manifest.get('algorithm')!r}, not "
+                f"{algorithm_name!r}; use the config that created the run"
+            )
+        if manifest.get("fingerprint") != self.fingerprint:
+            raise CacheError(
+                f"{self.cache.root} was made with another config or dataset (fingerprint "
+                f"{manifest.get('fingerprint')} != {self.fingerprint}); use the config that created the run "
+                "(its config.yaml)"
+            )
+        self.requests = list(manifest.get("requests", []))
+        return manifest
+
+    def commit(
+        self, algorithm: Algorithm, label: str, complete: bool, vectorize_mode: str | None
+    ) -> str | None:
+        """Commit the algorithm's state as a new version (rank zero); return its name.
+
+        Every rank records that a complete state was committed, so all ranks agree on whether
+        ``fit`` still owes its final commit (and on the barrier that follows it).
+        """
+        self.complete_committed = self.complete_committed or bool(complete)
+        if not self.write:
+            return None
+        if algorithm.theta0 is None:
+            raise CacheError(f"{algorithm.name}: nothing to commit before the fit has a theta0")
+        fields, tensors, reuse = algorithm.cache_files(self.cache)
+        tensors, reuse = dict(tensors), dict(reuse)
+        has_base = self.cache.exists() and "theta0.safetensors" in self.cache.manifest().get("files", {})
+        if has_base and _same_tensors(algorithm.theta0, self._theta0):
+            reuse["theta0.safetensors"] = "theta0.safetensors"
+        else:
+            tensors["theta0.safetensors"] = algorithm.theta0
+        manifest = {
+            "algorithm": algorithm.name,
+            "fingerprint": self.fingerprint,
+            "hparams": init_args(algorithm)["init_args"],
+            "num_clients": algorithm.num_clients,
+            "unlearned": sorted(algorithm.unlearned),
+            "complete": bool(complete),
+            "client_steps": int(algorithm.total_client_steps),
+            "requests": self.requests,
+            "seed": self.seed,
+            "vectorize_mode": vectorize_mode,
+            "torch_threads": torch.get_num_threads(),
+            **fields,
+        }
+        version = self.cache.commit(self.cache.next_name(label), manifest, tensors, reuse=reuse)
+        self._theta0 = algorithm.theta0
+        algorithm.committed(self.cache, version)
+        return version
+
+    def restore(self, algorithm: Algorithm, device: torch.device, vectorize: str = "auto") -> dict[str, Any]:
+        """Check the current version and load the algorithm's state from it; return its manifest.
+
+        With ``vectorize: auto`` the engine takes the kernel path the run was trained with: replays
+        must, since the stacked and loop paths agree only to rounding (float32 ~1e-7).
+        """
+        manifest = self.check(algorithm.name)
+        if manifest.get("num_clients") != algorithm.num_clients:
+            raise CacheError(f"{self.cache.root}: the cache was made for another number of clients")
+        algorithm.theta0 = self.cache.tensors("theta0.safetensors", device=device, manifest=manifest)
+        algorithm.restore_cache(self.cache, manifest, device)
+        algorithm.unlearned = [int(c) for c in manifest.get("unlearned", [])]
+        algorithm.total_client_steps = int(manifest.get("client_steps", 0))
+        self._theta0 = algorithm.theta0
+        self.complete_committed = bool(manifest.get("complete"))
+        mode = manifest.get("vectorize_mode")
+        if vectorize == "auto" and mode in ("stacked", "loop"):
+            algorithm.engine.set_mode(mode)
+        return manifest
