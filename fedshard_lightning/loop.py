@@ -19,6 +19,7 @@ import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 
+from fedshard_lightning import numerics
 from fedshard_lightning.cache import atomic_write_bytes, atomic_write_json
 from fedshard_lightning.engine import FederatedEngine, Group, LocalSchedule, RoundInfo
 from fedshard_lightning.engine.allocator import configure_process
@@ -64,6 +65,8 @@ class TrainerEvents(LoopEvents):
                 vectorize=t.vectorize,
                 max_chunk_clients=t.max_chunk_clients,
                 memory_budget_mb=t.memory_budget_mb,
+                batch_invariant=t.batch_invariant,
+                compile=t.compile,
             )
 
         return AlgorithmContext(
@@ -168,6 +171,7 @@ def run_fit(trainer: Any, run_dir: Path, resume: bool, exclude: list[int]) -> di
     if trainer.is_global_zero:
         trainer._write_model(params)
         atomic_write_json(run_dir / "metrics.json", metrics)
+        numerics.record(run_dir, trainer)
         for name, text in alg.run_files().items():
             (run_dir / name).write_text(text)
     trainer.fabric.call("on_fit_end", trainer, metrics=metrics)
@@ -204,6 +208,9 @@ def load_run(trainer: Any, run_dir: Path) -> None:
             f"{run_dir} has no committed FLCache (cache/CURRENT); was fit interrupted before stage 1?"
         )
     manifest = trainer.store.restore(trainer.algorithm, trainer.device, trainer.vectorize)
+    trainer.numerics_notes = numerics.reproduce(run_dir, trainer)
+    for note in trainer.numerics_notes:
+        trainer._print(f"warning: numerics: {note}")
     if not manifest.get("complete"):
         raise CacheError(
             f"{trainer.store.cache.root}: {trainer.algorithm.progress()}; "

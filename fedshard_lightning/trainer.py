@@ -70,6 +70,12 @@ class FederatedTrainer:
         eval_every_n_rounds: Test-set evaluation period in rounds (0: only at the end).
         enable_progress_bar: Show a progress bar on terminals.
         seed: Training seed (the CLI fills it from ``seed_everything``).
+        batch_invariant: Give every client the same float32 bits whoever shares its computation,
+            so unlearning audits bit-exact (default; costs up to 2.2x on launch-bound GPU MLPs,
+            docs/gpu.md). False lets stacked calls shrink as clients finish.
+        compile: ``torch.compile`` the stacked step (exact against eager; no speed-up measured).
+        num_threads: torch intra-op threads for this run (recorded in ``numerics.json``; unlearn
+            and audit reuse fit's count).
     """
 
     def __init__(
@@ -92,6 +98,9 @@ class FederatedTrainer:
         eval_every_n_rounds: int = 1,
         enable_progress_bar: bool = True,
         seed: int = 0,
+        batch_invariant: bool = True,
+        compile: bool = False,
+        num_threads: int | None = None,
     ) -> None:
         if algorithm is None:
             from fedshard_lightning.unlearning import default_algorithm
@@ -103,6 +112,8 @@ class FederatedTrainer:
             raise ConfigError(f"trainer.vectorize={vectorize!r}: choose auto, always or never")
         if eval_every_n_rounds < 0:
             raise ConfigError(f"trainer.eval_every_n_rounds={eval_every_n_rounds}: must be >= 0")
+        if num_threads is not None and (isinstance(num_threads, bool) or num_threads < 1):
+            raise ConfigError(f"trainer.num_threads={num_threads!r}: must be a positive integer or null")
         self.algorithm = algorithm
         self.accelerator, self.devices, self.strategy, self.precision = (
             accelerator,
@@ -121,6 +132,12 @@ class FederatedTrainer:
         )
         self.eval_every_n_rounds, self.enable_progress_bar = eval_every_n_rounds, enable_progress_bar
         self.seed = int(seed)
+        self.batch_invariant, self.compile, self.num_threads = (
+            bool(batch_invariant),
+            bool(compile),
+            num_threads,
+        )
+        self.numerics_notes: list[str] = []
         self.config_yaml: str | None = None
         self.fabric: L.Fabric | None = None
         self.module: FederatedModule | None = None
@@ -162,6 +179,8 @@ class FederatedTrainer:
         """Create and launch Fabric once (with ``strategy: ddp`` this starts the other processes)."""
         if self.fabric is not None:
             return
+        if self.num_threads is not None:
+            torch.set_num_threads(self.num_threads)
         self.fabric = launch_fabric(self.accelerator, self.devices, self.strategy, self.precision)
 
     def _setup(
@@ -306,7 +325,7 @@ class FederatedTrainer:
             return apply_request(self, clients)
 
     def audit(
-        self, model: FederatedModule, datamodule: FederatedDataModule, ckpt_path: str, tolerance: float = 1e-6
+        self, model: FederatedModule, datamodule: FederatedDataModule, ckpt_path: str, tolerance: float = 0.0
     ) -> dict[str, Any]:
         """Certify exact unlearning: recompute the model without every unlearned client and compare.
 
@@ -314,11 +333,28 @@ class FederatedTrainer:
             model: The model (same config as the run).
             datamodule: The federated data (same config as the run).
             ckpt_path: Run directory created by fit.
-            tolerance: Largest accepted max-abs difference (float32 training: about 1e-6; float64: 1e-10).
+            tolerance: Largest accepted max-abs difference; 0 (bit-exact) by default, since the
+                engine is batch-invariant (docs/unlearning.md).
         """
+        if (
+            isinstance(tolerance, bool)
+            or not isinstance(tolerance, (int, float))
+            or not 0 <= tolerance < float("inf")
+        ):
+            raise ConfigError(
+                f"tolerance={tolerance!r}: must be a finite number >= 0 (0 asks for bit-exactness)"
+            )
         self.enable_progress_bar = False
         self._load_run(model, datamodule, ckpt_path, "audit")
-        result = self.algorithm.audit(tolerance)
+        result = self.algorithm.audit(float(tolerance))
+        if not result["passed"]:
+            cause = (
+                "; ".join(self.numerics_notes)
+                if self.numerics_notes
+                else "no difference in the recorded numerical environment: was the cache or model changed, "
+                "or fit run with trainer.batch_invariant false?"
+            )
+            result["lines"].append(f"likely cause: {cause}")
         for line in result["lines"]:
             self._print(line)
         if not result["passed"]:

@@ -418,10 +418,17 @@ class FedShard(ShardCache, Algorithm):
             worst = max(worst, stage_worst)
         final = max(float((self.models[-1][k][0] - models[-1][k][0]).abs().max()) for k in self.models[-1])
         passed = worst <= tolerance
+        verdict = "PASSED, bit-exact" if worst == 0.0 else ("PASSED" if passed else "FAILED")
         lines.append(
-            f"audit {'PASSED' if passed else 'FAILED'}: final model max|diff| = {final:.3e}, worst shard "
+            f"audit {verdict}: final model max|diff| = {final:.3e}, worst shard "
             f"{worst:.3e}, tolerance {tolerance:.1e}; unlearned clients {self.unlearned}; replay cost {steps} client-steps"
         )
+        if not passed:  # the first shard off is where the difference starts; later stages inherit it
+            first = next(d for d in per_shard if d["max_abs_diff"] > tolerance)
+            lines.append(
+                f"first difference: stage {first['stage']} shard {first['shard']} "
+                f"(max|diff| = {first['max_abs_diff']:.3e})"
+            )
         return {
             "passed": passed,
             "max_abs_diff": worst,

@@ -1,0 +1,85 @@
+"""The numerical environment of a run: what must match for float32 results to be the same bits.
+
+The engine makes a client's arithmetic independent of who shares its computation
+(docs/unlearning.md), but not of the machine: the device, the torch build, the thread count (MKL
+and oneDNN split reductions by thread), the kernel family and the fixed-shape block size change
+float32 rounding. ``fit`` records them in ``RUN/numerics.json``; ``unlearn`` and ``audit``
+reproduce the thread count and warn, in one line each, about what they cannot reproduce, and
+``audit`` names a mismatch as the likely cause when it fails.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fedshard_lightning.cache import atomic_write_json
+
+__all__ = ["FILE", "current", "record", "reproduce"]
+
+FILE = "numerics.json"
+
+
+def current(trainer: Any) -> dict[str, Any]:
+    """This process's environment for the trainer's model and engine."""
+    eng = trainer.algorithm.engine
+    device = trainer.device
+    env: dict[str, Any] = {
+        "device": device.type,
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "dtype": str(trainer.module.param_dtype),
+        "engine_mode": eng.mode,
+        "batch_invariant": eng.batch_invariant,
+        "compile": eng.local.compiled,
+    }
+    if eng.mode == "stacked":
+        env["kernel"] = str(eng.local.kernel_choice) if eng.local.kernel_choice else None
+        env["invariant_block"] = eng.invariant_block()
+    return env
+
+
+def record(run_dir: Path, trainer: Any) -> dict[str, Any]:
+    """Write the environment ``fit`` ran in (atomically); returns it."""
+    env = current(trainer)
+    atomic_write_json(run_dir / FILE, env)
+    return env
+
+
+def reproduce(run_dir: Path, trainer: Any) -> list[str]:
+    """Match the recorded thread count; returns one line per field that still differs.
+
+    A run from before this file existed has nothing recorded; nothing is compared then.
+    """
+    path = run_dir / FILE
+    if not path.is_file():
+        return []
+    try:
+        fit_env = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return [f"{path} is unreadable: the numerical environment of fit is unknown"]
+    notes = []
+    threads = fit_env.get("threads")
+    if isinstance(threads, int) and threads > 0 and threads != torch.get_num_threads():
+        notes.append(
+            f"threads: fit used {threads}, this process had {torch.get_num_threads()}; using {threads}"
+        )
+        torch.set_num_threads(threads)
+    now = current(trainer)
+    for key in (
+        "device",
+        "device_name",
+        "torch",
+        "dtype",
+        "batch_invariant",
+        "compile",
+        "kernel",
+        "invariant_block",
+    ):
+        if key in fit_env and key in now and fit_env[key] != now[key]:
+            notes.append(f"{key}: fit ran with {fit_env[key]!r}, this process has {now[key]!r}")
+    return notes

@@ -1,0 +1,85 @@
+"""The numerical environment: recorded by fit, reproduced by unlearn and audit, named on failure."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fedshard_lightning.data import SyntheticDataModule
+from fedshard_lightning.errors import ConfigError
+from fedshard_lightning.models import MLP
+from fedshard_lightning.trainer import FederatedTrainer
+from fedshard_lightning.unlearning import FedShard
+
+
+def _fresh():
+    dm = SyntheticDataModule(
+        num_clients=8, partition="iid", num_samples=96, num_test=24, shape=(6,), num_classes_=3
+    )
+    torch.manual_seed(0)
+    return MLP(hidden=(8,), lr=0.1), dm
+
+
+def _trainer(root, **kw):
+    return FederatedTrainer(
+        algorithm=FedShard(rounds="fixed", fixed_rounds=2, batch_size=5),
+        default_root_dir=str(root),
+        enable_progress_bar=False,
+        eval_every_n_rounds=0,
+        vectorize="always",
+        **kw,
+    )
+
+
+def test_fit_records_unlearn_and_audit_reproduce_threads(tmp_path, capsys):
+    tr = _trainer(tmp_path, num_threads=1)
+    tr.fit(*_fresh())
+    env = json.loads((tr.run_dir / "numerics.json").read_text())
+    assert env["threads"] == 1 and env["engine_mode"] == "stacked" and env["batch_invariant"] is True
+    assert env["kernel"] == "fx+chain" and env["invariant_block"] is None and env["device"] == "cpu"
+    _trainer(tmp_path, num_threads=1).unlearn(*_fresh(), str(tr.run_dir), [3])
+    torch.set_num_threads(2)
+    try:
+        res = _trainer(tmp_path).audit(*_fresh(), str(tr.run_dir))
+        assert torch.get_num_threads() == 1  # fit's count, reproduced
+    finally:
+        torch.set_num_threads(1)
+    out = capsys.readouterr().out
+    assert "warning: numerics: threads: fit used 1, this process had 2; using 1" in out
+    assert res["max_abs_diff"] == 0.0 and "audit PASSED, bit-exact" in out
+
+
+def test_failed_audit_names_first_shard_and_likely_cause(tmp_path, capsys, monkeypatch):
+    tr = _trainer(tmp_path)
+    tr.fit(*_fresh())
+    _trainer(tmp_path).unlearn(*_fresh(), str(tr.run_dir), [3])
+    env = json.loads((tr.run_dir / "numerics.json").read_text())
+    env["torch"] = "0.0.0-elsewhere"
+    (tr.run_dir / "numerics.json").write_text(json.dumps(env))
+    original = FedShard.audit
+
+    def tampered(self, tolerance):  # a stage-2 model that differs from its replay, in memory only
+        first = next(iter(self.models[1]))
+        self.models[1][first][0] += 1e-3
+        return original(self, tolerance)
+
+    monkeypatch.setattr(FedShard, "audit", tampered)
+    with pytest.raises(SystemExit):
+        _trainer(tmp_path).audit(*_fresh(), str(tr.run_dir))
+    out = capsys.readouterr().out
+    assert "audit FAILED" in out
+    assert "first difference: stage 2 shard 0 (max|diff| = 1.000e-03)" in out
+    assert "likely cause: torch: fit ran with '0.0.0-elsewhere'" in out
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf"), True])
+def test_audit_tolerance_is_checked_before_any_replay(tmp_path, bad):
+    with pytest.raises(ConfigError, match="tolerance="):
+        _trainer(tmp_path).audit(*_fresh(), str(tmp_path / "missing"), tolerance=bad)
+
+
+def test_num_threads_is_checked(tmp_path):
+    with pytest.raises(ConfigError, match=r"trainer\.num_threads"):
+        _trainer(tmp_path, num_threads=0)
