@@ -27,7 +27,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fedshard_lightning.cache import FLCache, atomic_write_json, load_tensors
+from fedshard_lightning.cache import (
+    FLCache,
+    atomic_write_bytes,
+    atomic_write_json,
+    load_tensors,
+    remove_stale_tmp,
+)
 from fedshard_lightning.errors import CacheError, ConfigError, FedShardError
 
 __all__ = ["Journal", "existing_run_dir", "model_is_stale", "new_run_dir", "recover_reports", "run_lock"]
@@ -42,6 +48,13 @@ def new_run_dir(root_dir: str, run_name: str | None) -> Path:
         raise ConfigError(
             f"trainer.default_root_dir={str(root)!r}: cannot create it ({e.strerror})"
         ) from None
+    if run_name and (
+        Path(run_name).name != run_name or run_name in (".", "..") or os.sep in run_name or "/" in run_name
+    ):
+        raise ConfigError(
+            f"trainer.run_name={run_name!r}: must be a plain folder name, created inside "
+            "trainer.default_root_dir (no '/', no '..')"
+        )
     if run_name:
         candidates: Iterator[Path] = iter([root / run_name])
     else:
@@ -125,9 +138,22 @@ class Journal:
         """Append one event (rank zero only)."""
         if not self.enabled:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        folder = self.path.parent
+        if folder.is_symlink():
+            raise CacheError(
+                f"{folder} is a symbolic link; a run directory's folders must be real (remove it)"
+            )
+        folder.mkdir(parents=True, exist_ok=True)
         entry = {"time": datetime.now(timezone.utc).isoformat(timespec="seconds"), **entry}
-        with open(self.path, "a") as f:
+        try:  # never follow a link planted in the run directory: it could point at any file
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError:
+            if self.path.is_symlink():
+                raise CacheError(
+                    f"{self.path} is a symbolic link; the journal must be a regular file (remove the link)"
+                ) from None
+            raise
+        with os.fdopen(fd, "a") as f:
             f.write(json.dumps(entry) + "\n")
             f.flush()
             os.fsync(f.fileno())
@@ -167,7 +193,13 @@ def _version_with_requests(cache: FLCache, n: int) -> str | None:
 
 
 def recover_reports(run_dir: Path, cache: FLCache, requests: list[dict[str, Any]], journal: Journal) -> None:
-    """Write the report and the journal entry of every request the cache holds but the files miss."""
+    """Write the report and the journal entry of every request the cache holds but the files miss.
+
+    Also re-creates ``unlearn_report.json`` (the last request's) when a kill left only its
+    temporary file, and removes such leftovers of killed writers.
+    """
+    for name in ("unlearn_report.json", "model.safetensors", "metrics.json"):
+        remove_stale_tmp(run_dir, name)
     committed = journal.committed()
     for i, report in enumerate(requests, start=1):
         rpath = run_dir / "unlearning" / f"{i:04d}" / "report.json"
@@ -185,3 +217,7 @@ def recover_reports(run_dir: Path, cache: FLCache, requests: list[dict[str, Any]
                 "cache_version": version,
             }
             journal.append({**entry, "recovered": True})
+    last = run_dir / "unlearn_report.json"
+    if requests and not last.is_file():
+        rpath = run_dir / "unlearning" / f"{len(requests):04d}" / "report.json"
+        atomic_write_bytes(last, rpath.read_bytes())

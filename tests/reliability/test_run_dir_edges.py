@@ -1,0 +1,67 @@
+"""Run-directory edges of issue 16: run_name escapes, journal symlinks, killed report writes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from fedshard_lightning.data import SyntheticDataModule
+from fedshard_lightning.errors import CacheError, ConfigError
+from fedshard_lightning.models import MLP
+from fedshard_lightning.trainer import FederatedTrainer
+from fedshard_lightning.unlearning import FedShard
+
+
+def _fresh():
+    dm = SyntheticDataModule(
+        num_clients=8, partition="iid", num_samples=96, num_test=24, shape=(6,), num_classes_=3
+    )
+    torch.manual_seed(0)
+    return MLP(hidden=(8,), lr=0.1), dm
+
+
+def _trainer(root, **kw):
+    return FederatedTrainer(
+        algorithm=FedShard(rounds="fixed", fixed_rounds=1, batch_size=5),
+        default_root_dir=str(root),
+        enable_progress_bar=False,
+        eval_every_n_rounds=0,
+        **kw,
+    )
+
+
+@pytest.mark.parametrize("name", ["../../escape", "a/b", "..", "/tmp/abs"])
+def test_run_name_stays_inside_the_root(tmp_path, name):
+    root = tmp_path / "root" / "runs"
+    with pytest.raises(ConfigError, match="plain folder name"):
+        _trainer(root, run_name=name).fit(*_fresh())
+    assert not (tmp_path / "escape").exists() and not (tmp_path / "root" / "escape").exists()
+
+
+def test_journal_symlink_is_refused_and_its_target_untouched(tmp_path):
+    tr = _trainer(tmp_path / "runs")
+    tr.fit(*_fresh())
+    target = tmp_path / "outside.txt"
+    target.write_text("precious\n")
+    (tr.run_dir / "unlearning").mkdir(exist_ok=True)
+    os.symlink(target, tr.run_dir / "unlearning" / "journal.jsonl")
+    with pytest.raises(CacheError, match="symbolic link"):
+        _trainer(tmp_path / "runs").unlearn(*_fresh(), str(tr.run_dir), [3])
+    assert target.read_text() == "precious\n"
+
+
+def test_killed_report_write_is_recreated_and_its_temp_removed(tmp_path):
+    tr = _trainer(tmp_path / "runs")
+    tr.fit(*_fresh())
+    run = tr.run_dir
+    _trainer(tmp_path / "runs").unlearn(*_fresh(), str(run), [3])
+    want = (run / "unlearn_report.json").read_bytes()
+    (run / "unlearn_report.json").unlink()
+    stale = run / ".unlearn_report.json.tmp-999999999"  # a writer killed mid-write (no such process)
+    stale.write_bytes(want[:10])
+    _trainer(tmp_path / "runs").test(*_fresh(), str(run))  # reading alone changes nothing
+    _trainer(tmp_path / "runs").audit(*_fresh(), str(run))  # loading a run repairs it
+    assert (run / "unlearn_report.json").read_bytes() == want
+    assert not stale.exists()
