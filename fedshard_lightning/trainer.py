@@ -112,6 +112,12 @@ class FederatedTrainer:
             raise ConfigError(f"trainer.vectorize={vectorize!r}: choose auto, always or never")
         if eval_every_n_rounds < 0:
             raise ConfigError(f"trainer.eval_every_n_rounds={eval_every_n_rounds}: must be >= 0")
+        if isinstance(memory_budget_mb, bool) or not 0 < memory_budget_mb < float("inf"):
+            raise ConfigError(
+                f"trainer.memory_budget_mb={memory_budget_mb!r}: must be a positive number of MB"
+            )
+        if max_chunk_clients is not None and (isinstance(max_chunk_clients, bool) or max_chunk_clients < 1):
+            raise ConfigError(f"trainer.max_chunk_clients={max_chunk_clients!r}: must be >= 1 or null")
         if num_threads is not None and (isinstance(num_threads, bool) or num_threads < 1):
             raise ConfigError(f"trainer.num_threads={num_threads!r}: must be a positive integer or null")
         self.algorithm = algorithm

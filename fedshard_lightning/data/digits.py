@@ -7,6 +7,7 @@ import torch
 from torch import Tensor
 
 from fedshard_lightning.data.base import FederatedDataModule
+from fedshard_lightning.errors import ConfigError
 
 __all__ = ["DigitsDataModule"]
 
@@ -24,6 +25,8 @@ class DigitsDataModule(FederatedDataModule):
 
     def __init__(self, *args, test_fraction: float = 0.2, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        if isinstance(test_fraction, bool) or not 0 < test_fraction < 1:
+            raise ConfigError(f"data.test_fraction={test_fraction!r}: must be in (0, 1), e.g. 0.2")
         self.test_fraction = test_fraction
         self._cache: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
 

@@ -141,6 +141,8 @@ class Purchase100DataModule(FileDataModule):
             raise ConfigError(
                 f"data.test_fraction={test_fraction}: must be strictly between 0 and 1 (e.g. 0.2)"
             )
+        if isinstance(test_fraction, bool) or not 0 < test_fraction < 1:
+            raise ConfigError(f"data.test_fraction={test_fraction!r}: must be in (0, 1), e.g. 0.2")
         self.test_fraction = test_fraction
         self.archive_sha256 = archive_sha256.lower() if archive_sha256 else None
         self._pending_test: tuple[Tensor, Tensor] | None = None

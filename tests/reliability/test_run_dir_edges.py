@@ -65,3 +65,25 @@ def test_killed_report_write_is_recreated_and_its_temp_removed(tmp_path):
     _trainer(tmp_path / "runs").audit(*_fresh(), str(run))  # loading a run repairs it
     assert (run / "unlearn_report.json").read_bytes() == want
     assert not stale.exists()
+
+
+@pytest.mark.parametrize(
+    ("kw", "field"),
+    [
+        ({"memory_budget_mb": -1}, "trainer.memory_budget_mb"),
+        ({"memory_budget_mb": float("nan")}, "trainer.memory_budget_mb"),
+        ({"max_chunk_clients": 0}, "trainer.max_chunk_clients"),
+        ({"num_threads": -2}, "trainer.num_threads"),
+    ],
+)
+def test_trainer_ranges_refused_at_construction(tmp_path, kw, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        _trainer(tmp_path, **kw)
+
+
+@pytest.mark.parametrize("fraction", [1.5, 0, -0.1, 1.0])
+def test_data_test_fraction_range(fraction):
+    from fedshard_lightning.data import DigitsDataModule
+
+    with pytest.raises(ConfigError, match=r"data\.test_fraction"):
+        DigitsDataModule(test_fraction=fraction)
