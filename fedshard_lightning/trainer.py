@@ -299,6 +299,12 @@ class FederatedTrainer:
             run_dir = existing_run_dir(ckpt_path, "test")
             weights = run_dir / "model.safetensors"
         self.enable_progress_bar = False
+        if not (path is not None and path.is_file()) and (run_dir / "cache" / "CURRENT").is_file():
+            # A run's deployed model is the cache's current one: load the cache (checksums verified),
+            # repair a stale or damaged model.safetensors from it, and evaluate what the cache holds.
+            self._load_run(model, datamodule, str(run_dir), "test")
+            params = self.algorithm.current_params()
+            return self._test_metrics(params, weights)
         self._setup(model, datamodule, run_dir, "test")
         state = load_tensors(weights, device=self.device)
         try:
@@ -308,7 +314,10 @@ class FederatedTrainer:
             raise CacheError(
                 f"{weights} does not match the configured model ({first}); use the run's config.yaml"
             ) from None
-        acc, loss = self.evaluate(self.algorithm.engine.module_params())
+        return self._test_metrics(self.algorithm.engine.module_params(), weights)
+
+    def _test_metrics(self, params: dict[str, Tensor], weights: Path) -> dict[str, Any]:
+        acc, loss = self.evaluate(params)
         metrics = {"test_accuracy": acc, "test_loss": loss, "checkpoint": str(weights)}
         self.fabric.call("on_test_end", self, metrics=metrics)
         self._print(f"test: test_accuracy={acc:.4f} test_loss={loss:.4f} ({weights})")

@@ -217,7 +217,6 @@ CASES: dict[str, tuple] = {
     "run_current_dangling_resume": (on_run("fit", "dangling"), "CURRENT"),
     "run_fit_unfinished": (unlearn("[1]", "incomplete"), "stage 1 of 3"),
     "run_stage_file_missing": (on_run("audit", "no_stage"), "stage_2.safetensors"),
-    "run_model_missing_test": (on_run("test", "no_model"), "model.safetensors"),
     "ckpt_path_is_a_file_test": (on_run("test", "model.pt"), "model.pt"),
     "ckpt_path_is_a_file_unlearn": (unlearn("[1]", "model.pt"), "model.pt"),
 }

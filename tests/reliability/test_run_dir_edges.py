@@ -87,3 +87,28 @@ def test_data_test_fraction_range(fraction):
 
     with pytest.raises(ConfigError, match=r"data\.test_fraction"):
         DigitsDataModule(test_fraction=fraction)
+
+
+def test_test_never_reports_a_model_that_disagrees_with_the_cache(tmp_path):
+    """A stale (pre-unlearning) or damaged model.safetensors is repaired from the cache by `test`."""
+    tr = _trainer(tmp_path / "runs")
+    tr.fit(*_fresh())
+    run = tr.run_dir
+    before = (run / "model.safetensors").read_bytes()
+    _trainer(tmp_path / "runs").unlearn(*_fresh(), str(run), [3, 5])
+    after = (run / "model.safetensors").read_bytes()
+    want = _trainer(tmp_path / "runs").test(*_fresh(), str(run))
+    assert before != after
+    (run / "model.safetensors").write_bytes(before)  # an unlearn killed just after its commit
+    got = _trainer(tmp_path / "runs").test(*_fresh(), str(run))
+    assert got["test_accuracy"] == want["test_accuracy"] and got["test_loss"] == want["test_loss"]
+    assert (run / "model.safetensors").read_bytes() == after
+    damaged = bytearray(after)
+    damaged[-3] ^= 0xFF  # one flipped byte in the weights
+    (run / "model.safetensors").write_bytes(bytes(damaged))
+    got = _trainer(tmp_path / "runs").test(*_fresh(), str(run))
+    assert got["test_loss"] == want["test_loss"]
+    assert (run / "model.safetensors").read_bytes() == after
+    (run / "model.safetensors").unlink()  # missing altogether
+    got = _trainer(tmp_path / "runs").test(*_fresh(), str(run))
+    assert got["test_loss"] == want["test_loss"] and (run / "model.safetensors").read_bytes() == after

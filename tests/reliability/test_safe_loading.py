@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from _reliability_helpers import cli, copy_run, error_lines, snapshot
+from safetensors.torch import load_file
 
 from fedshard_lightning.cache import FLCache, load_tensors, sha256_file
 from fedshard_lightning.errors import CacheError
@@ -231,12 +232,16 @@ def test_test_subcommand_with_a_model_file_never_unpickles(run, reference_run, n
     assert "test_accuracy=" in out
 
 
-def test_a_pickled_model_file_is_refused_by_test(run, restore, reference_run, tmp_path):
+def test_a_pickled_model_file_in_a_run_is_replaced_from_the_cache_by_test(
+    run, restore, reference_run, tmp_path
+):
+    """`test RUN` evaluates the cache's model and repairs model.safetensors; the pickle never runs."""
     marker = tmp_path / "pwned"
     _replace(run / "model.safetensors", _evil_bytes(marker))
-    code, _, err = cli(["test", "--config", str(reference_run / "config.yaml"), "--ckpt_path", str(run)])
-    _one_line_error(code, err, "model.safetensors", "not a valid safetensors file")
+    code, out, _ = cli(["test", "--config", str(reference_run / "config.yaml"), "--ckpt_path", str(run)])
+    assert code == 0 and "test_accuracy=" in out
     assert not marker.exists()
+    assert load_file(str(run / "model.safetensors"))  # a valid safetensors file again
 
 
 def test_a_pickled_model_file_given_as_ckpt_path_is_a_one_line_error(run, restore, reference_run, tmp_path):
