@@ -42,9 +42,12 @@ from fedshard_lightning.sharding import (
     RandomMerge,
     RoundPolicy,
     ShardTree,
+    StageCosts,
+    expected_future_costs,
     flatten_update,
     num_stages,
     signed_angles,
+    tree_client_costs,
 )
 from fedshard_lightning.unlearning.base import Algorithm, UnlearnResult
 
@@ -96,9 +99,11 @@ def _merge_policy(merge: str | MergePolicy) -> MergePolicy:
         return merge
     if merge == "a1":
         return A1Merge()
+    if merge == "a1_count":
+        return A1Merge(allocation="count")
     if merge == "random":
         return RandomMerge()
-    raise ConfigError(f"algorithm.merge={merge!r}: choose a1, random or a MergePolicy class_path")
+    raise ConfigError(f"algorithm.merge={merge!r}: choose a1, a1_count, random or a MergePolicy class_path")
 
 
 class FedShard(Algorithm):
@@ -106,8 +111,10 @@ class FedShard(Algorithm):
 
     Args:
         merge_rate: R, children per merged shard (>= 2).
-        merge: ``a1`` (direction-balanced, the paper's A1), ``random`` (naive sharding) or a
-            :class:`~fedshard_lightning.sharding.MergePolicy`.
+        merge: ``a1`` (direction-balanced, the paper's A1, whose ``allocateChildShard`` picks the
+            child of lowest predicted M_e of the unlearning costs), ``a1_count`` (A1 balancing
+            client counts instead, the first implementation, for the ablation), ``random`` (naive
+            sharding) or a :class:`~fedshard_lightning.sharding.MergePolicy`.
         rounds: ``a2`` (A2 within [t0, t1]), ``fixed`` (``fixed_rounds`` everywhere), ``auto``
             (A2 with [T0, T1] measured by training stages 1-2 to convergence), or a
             :class:`~fedshard_lightning.sharding.RoundPolicy`.
@@ -124,7 +131,7 @@ class FedShard(Algorithm):
     def __init__(
         self,
         merge_rate: int = 2,
-        merge: Literal["a1", "random"] | MergePolicy = "a1",
+        merge: Literal["a1", "a1_count", "random"] | MergePolicy = "a1",
         rounds: Literal["a2", "fixed", "auto"] | RoundPolicy = "a2",
         t0: int = 2,
         t1: int = 8,
@@ -259,9 +266,18 @@ class FedShard(Algorithm):
                 prev_alpha = [r.alpha for r in self.records[-1]]
                 prev_counts = [len(r.clients) for r in self.records[-1]]
                 prev_weights = [r.weight for r in self.records[-1]]
-            grouping = self.merge_policy.group(
-                prev_alpha, prev_counts, self.merge_rate, self._merge_seed(stage)
-            )
+            if self.merge_policy.needs_costs:
+                grouping = self.merge_policy.group(
+                    prev_alpha,
+                    prev_counts,
+                    self.merge_rate,
+                    self._merge_seed(stage),
+                    costs=self._stage_costs(stage),
+                )
+            else:
+                grouping = self.merge_policy.group(
+                    prev_alpha, prev_counts, self.merge_rate, self._merge_seed(stage)
+                )
             shards = self.tree.add_stage(grouping)
             children_alphas = [[prev_alpha[c] for c in g] for g in grouping]
             rounds = self.round_policy.rounds(stage, children_alphas)
@@ -310,6 +326,29 @@ class FedShard(Algorithm):
         if self.trainer.is_global_zero and self.trainer.run_dir is not None:
             (self.trainer.run_dir / "tree.txt").write_text(self.tree.pretty() + "\n")
         return self.current_params()
+
+    def _stage_costs(self, stage: int) -> StageCosts:
+        """A1's cost model for ``stage``: costs paid in the trained stages, expected rounds and later costs."""
+        planned = self.planned_stages
+        if stage == 1:
+            children = [[c] for c in range(self.num_clients)]
+        else:
+            children = [list(r.clients) for r in self.records[-1]]
+        paid = tree_client_costs(
+            [[(r.clients, r.rounds) for r in recs] for recs in self.records], self._steps
+        )
+        later_shards, later_rounds, n = [], [], -(-len(children) // self.merge_rate)
+        for p in range(stage + 1, planned + 1):
+            n = -(-n // self.merge_rate)
+            later_shards.append(n)
+            later_rounds.append(self.round_policy.expected_rounds(p, last=p == planned))
+        return StageCosts(
+            shard_clients=children,
+            client_steps=self._steps,
+            paid=paid,
+            rounds=self.round_policy.expected_rounds(stage, last=stage == planned),
+            future=expected_future_costs(self._steps, later_shards, later_rounds),
+        )
 
     def _stage_average(self, stage: int) -> dict[str, Tensor]:
         """theta^p: weighted average of the live shards of a stage."""
