@@ -11,6 +11,7 @@ from fedshard_lightning.sharding.costs import (
     StageCosts,
     expected_future_costs,
     predicted_m_e,
+    refine_by_swaps,
     tree_client_costs,
 )
 from fedshard_lightning.sharding.merging import (
@@ -51,6 +52,7 @@ __all__ = [
     "num_stages",
     "predicted_m_e",
     "random_grouping",
+    "refine_by_swaps",
     "signed_angles",
     "tree_client_costs",
     "unflatten_update",

@@ -58,7 +58,7 @@ from typing import Any, Literal
 import numpy as np
 
 from fedshard_lightning.errors import ConfigError
-from fedshard_lightning.sharding.costs import StageCosts
+from fedshard_lightning.sharding.costs import StageCosts, refine_by_swaps
 
 __all__ = ["A1Merge", "MergePolicy", "RandomMerge", "a1_grouping", "group_capacities", "random_grouping"]
 
@@ -251,7 +251,14 @@ def a1_grouping(
     for leftover in (negative_pool, positive_pool):  # step 6
         while leftover:
             filler.place(leftover)
-    return _canonical(filler.groups)
+    groups = filler.groups
+    if costs is not None and costs.rounds_fn is not None:
+        labels = [0] * n
+        for label, cluster in enumerate((negative, middle, positive)):
+            for i in cluster:
+                labels[i] = label
+        groups = refine_by_swaps(groups, labels, a, costs, seed)
+    return _canonical(groups)
 
 
 class _Pool:

@@ -348,6 +348,9 @@ class FedShard(Algorithm):
             paid=paid,
             rounds=self.round_policy.expected_rounds(stage, last=stage == planned),
             future=expected_future_costs(self._steps, later_shards, later_rounds),
+            rounds_fn=None
+            if self.round_policy.calibrating(stage)
+            else lambda children_alphas: self.round_policy.rounds(stage, children_alphas),
         )
 
     def _stage_average(self, stage: int) -> dict[str, Tensor]:

@@ -212,3 +212,55 @@ def test_policy_options() -> None:
     assert A1Merge(allocation="count", n_init=1).group(alphas, counts, 2, 5, costs=costs) == a1_grouping(
         alphas, counts, 2, 5, n_init=1
     )
+
+
+# ---------------------------------------------------------------------- refinement with A2's rounds
+
+
+def a2_fn(t0: int, t1: int):
+    from fedshard_lightning.sharding import a2_rounds
+
+    return lambda children: a2_rounds([float(np.var(c)) for c in children], t0, t1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(2, 30), rate=st.integers(2, 4), seed=st.integers(0, 2**32 - 1))
+def test_refinement_lowers_the_exact_m_e_and_keeps_the_cluster_mix(n: int, rate: int, seed: int) -> None:
+    from fedshard_lightning.sharding import refine_by_swaps
+    from fedshard_lightning.sharding.costs import _ExactObjective
+
+    rng = np.random.default_rng(seed)
+    alphas, costs = random_costs(rng, n, rate)
+    costs.weights = rng.uniform(0.5, 2.0, size=len(costs.client_steps))
+    costs.rounds_fn = a2_fn(2, 8)
+    labels = rng.integers(0, 3, size=n).tolist()
+    start = random_grouping(n, rate, seed)
+    obj = _ExactObjective(costs, alphas)
+    # the O(groups) objective equals the per-client reference
+    rounds = obj.rounds(start)
+    want = predicted_m_e(costs.predicted(start, rounds), costs.weights)
+    assert obj.value(start, rounds) == pytest.approx(want, rel=1e-9, abs=1e-6)
+    refined = refine_by_swaps(start, labels, alphas, costs, seed, max_evals=300)
+    after = predicted_m_e(costs.predicted(refined, obj.rounds(refined)), costs.weights)
+    assert after <= want * (1 + 1e-9) + 1e-9
+    assert [len(g) for g in refined] == [len(g) for g in start]
+    assert [sorted(labels[i] for i in g) for g in refined] == [sorted(labels[i] for i in g) for g in start]
+    assert sorted(i for g in refined for i in g) == list(range(n))
+
+
+def test_cost_allocation_with_a2_rounds_beats_count_balancing() -> None:
+    """With the rounds A2 will give, the exact predicted M_e falls well below count balancing's."""
+    from fedshard_lightning.sharding.costs import _ExactObjective
+
+    rng = np.random.default_rng(11)
+    ratios = []
+    for case in range(30):
+        n, rate = int(rng.integers(8, 48)), int(rng.integers(2, 4))
+        alphas, costs = random_costs(rng, n, rate)
+        costs.rounds_fn = a2_fn(2, 8)
+        counts = [len(c) for c in costs.shard_clients]
+        obj = _ExactObjective(costs, alphas)
+        by_cost = a1_grouping(alphas, counts, rate, case, n_init=2, costs=costs)
+        by_count = a1_grouping(alphas, counts, rate, case, n_init=2)
+        ratios.append(obj.value(by_cost, obj.rounds(by_cost)) / obj.value(by_count, obj.rounds(by_count)))
+    assert np.mean(ratios) < 0.8
