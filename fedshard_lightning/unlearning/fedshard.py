@@ -404,6 +404,27 @@ class FedShard(Algorithm):
             for i, rec in enumerate(recs)
         )
 
+    def ratio_counting_leaving(self, clients: Sequence[int]) -> float:
+        """The paper's r1 measured: the leaving clients' own steps counted on both sides.
+
+        Proposition 1 divides the training of the whole tree (``T_train = P T K``, every client
+        counted) by the retraining of the affected shards *with* their full client counts
+        (``T_un = sum_p T R^p``). :meth:`retrain_cost` / :meth:`predict_cost` (the trainer's
+        ``speedup_client_steps``) leave the leaving clients out of both sides instead. With fixed
+        rounds, equal client sizes and ``K = R**P`` this equals ``theoretical_speedup()`` exactly.
+        """
+        before = set(self.unlearned)
+        leaving = set(clients)
+        total = affected = 0
+        for p, recs in enumerate(self.records, start=1):
+            for i, rec in enumerate(recs):
+                present = [c for c in rec.clients if c not in before]
+                cost = self._shard_cost(p, i, present, rec.rounds)
+                total += cost
+                if leaving & set(present):
+                    affected += cost
+        return total / affected if affected else float("inf")
+
     # -- unlearning -------------------------------------------------------------------------------
     def _replay(self, gone: set[int], only: dict[int, list[int]] | None) -> tuple[list, list, int, list]:
         """Recompute shards bottom-up without ``gone``: the listed ones (``only``) or all of them."""
@@ -443,6 +464,7 @@ class FedShard(Algorithm):
         plan = self._plan(clients)
         predicted = self.predict_cost(clients)
         retrain = self.retrain_cost(clients)
+        ratio_with_leaving = self.ratio_counting_leaving(clients)
         gone = set(self.unlearned) | set(clients)
         t = time.perf_counter()
         records, models, steps, retrained = self._replay(gone, plan)
@@ -460,6 +482,7 @@ class FedShard(Algorithm):
                 "retrained_shards": [{"stage": p, "shard": i} for p, i in retrained],
                 "empty_shards": [{"stage": p, "shard": i} for p, i in emptied],
                 "theoretical_r1": self.theoretical_speedup(),
+                "speedup_client_steps_counting_leaving": ratio_with_leaving,
             },
         )
 
