@@ -8,7 +8,8 @@ see :mod:`~fedshard_lightning.experiments.budget`), then unlearns the same clien
 repeats everything per seed (data partition and training seed) and reports mean ± std.
 
 Per method: ``t`` (mean unlearning seconds per request), the mean cost in client-steps per
-request, ``M_e`` in client-steps (every client, exact predicted costs) and in seconds (the measured
+request, the standard deviation over clients of the cost in client-steps (M_e without the
+``1/|alpha|`` weights, which one client with a near-zero alpha can dominate), ``M_e`` in client-steps (every client, exact predicted costs) and in seconds (the measured
 clients) as separate columns, ``M_p``, membership-inference F1 before and after, test accuracy
 before and after, and FedAvg retraining's cost over the method's (client-steps). ``M_e`` uses the
 client alphas of the first method's model for every method (SPEC section 4: methods compared side
@@ -24,6 +25,7 @@ Written to ``output_dir``: ``compare.md``, ``compare.csv`` (one row per method a
 from __future__ import annotations
 
 import copy
+import statistics
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -246,6 +248,7 @@ def _run_seed(
             "test_accuracy": metrics["test_accuracy"],
             "t": s.get("unlearn_seconds_mean"),
             "client_steps": s.get("unlearn_client_steps_mean"),
+            "cost_std_steps": statistics.pstdev(z_steps) if z_steps else None,
             "M_e_steps": _me(z_steps, [ref_alpha[r["client"]] for r in pop], eps_alpha),
             "M_e_seconds": _me(z_sec, [ref_alpha[r["client"]] for r in measured], eps_alpha),
             "M_p": s.get("M_p"),

@@ -22,6 +22,7 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("test_accuracy", "test acc (fraction)", r"acc"),
     ("t", "t (s / request)", r"$t$ (s)"),
     ("client_steps", "cost (client-steps / request)", r"cost (steps)"),
+    ("cost_std_steps", "cost std over clients (client-steps)", r"std (steps)"),
     ("M_e_steps", "M_e (client-steps^2 / rad)", r"$M_e$ (steps$^2$/rad)"),
     ("M_e_seconds", "M_e (s^2 / rad)", r"$M_e$ (s$^2$/rad)"),
     ("M_p", "M_p (unitless, >= 4)", r"$M_p$"),
