@@ -27,7 +27,7 @@ def datamodule(name: str, seed: int):
         return DigitsDataModule(num_clients=64, partition="dirichlet", rho=0.1, min_client_size=3, seed=seed)
     if name == "synthetic K=256":
         return SyntheticDataModule(
-            num_clients=256, partition="dirichlet", rho=0.1, min_client_size=3, num_samples=5120, num_test=1000,
+            num_clients=256, partition="dirichlet", rho=0.1, min_client_size=1, num_samples=10240, num_test=1000,
             shape=(32,), num_classes_=10, noise=2.0, seed=seed,
         )  # fmt: skip
     return SyntheticDataModule(

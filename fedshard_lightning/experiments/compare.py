@@ -38,7 +38,7 @@ from fedshard_lightning.errors import ConfigError
 from fedshard_lightning.experiments.budget import match_budget
 from fedshard_lightning.experiments.plots import plot_cost_distributions
 from fedshard_lightning.experiments.tables import COLUMNS, aggregate, write_tables
-from fedshard_lightning.metrics import efficiency_fairness
+from fedshard_lightning.metrics import client_alphas, efficiency_fairness
 from fedshard_lightning.module import FederatedModule
 from fedshard_lightning.trainer import FederatedTrainer
 from fedshard_lightning.unlearning.base import Algorithm
@@ -230,17 +230,18 @@ def _run_seed(
             seed=seed,
         )
         metrics = trainer.fit(copy.deepcopy(model), copy.deepcopy(dm))
+        k = alg.num_clients
         if i == 0:
             ref_budget = int(metrics["client_steps"])
             step_counts = [alg.schedule.num_steps(int(n)) for n in trainer.datamodule.client_sizes]
-            ref_alpha = {r["client"]: r["alpha"] for r in replay.rows}
+            ref_alpha = dict(enumerate(client_alphas(alg).cpu().tolist()))  # every client, probe round
             if budget == "match":
                 how = {"rule": f"reference: fit spends C = {ref_budget} client-steps", "rounds": None}
         s = replay.summary or {}
-        pop = [r for r in replay.rows if r["client"] in ref_alpha]
-        measured = [r for r in pop if r["measured"]]
-        z_steps = [float(r["Z_steps_predicted"]) for r in pop]
-        z_sec = [float(r["Z_seconds"]) for r in measured if r["Z_seconds"] is not None]
+        # every client's exact cost, predicted from the fitted state (the replay restored it)
+        z_steps = [float(alg.predict_cost([c])) for c in range(k)]
+        measured = [r for r in replay.rows if r["measured"] and r["Z_seconds"] is not None]
+        z_sec = [float(r["Z_seconds"]) for r in measured]
         row = {
             "method": alg.name,
             "seed": seed,
@@ -249,7 +250,8 @@ def _run_seed(
             "t": s.get("unlearn_seconds_mean"),
             "client_steps": s.get("unlearn_client_steps_mean"),
             "cost_std_steps": statistics.pstdev(z_steps) if z_steps else None,
-            "M_e_steps": _me(z_steps, [ref_alpha[r["client"]] for r in pop], eps_alpha),
+            "clients_in_M_e_steps": len(z_steps),
+            "M_e_steps": _me(z_steps, [ref_alpha[c] for c in range(k)], eps_alpha),
             "M_e_seconds": _me(z_sec, [ref_alpha[r["client"]] for r in measured], eps_alpha),
             "M_p": s.get("M_p"),
             "mia_f1_before": s.get("mia_f1_before"),

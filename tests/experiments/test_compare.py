@@ -43,6 +43,7 @@ def test_compare_two_methods_two_seeds_equal_budget(tmp_path):
     for r in res["rows"]:
         assert r["client_steps"] > 0 and r["t"] >= 0 and r["M_p"] is not None
         assert r["M_e_steps"] is not None and r["M_e_seconds"] is not None
+        assert r["clients_in_M_e_steps"] == 8  # every client, not only the 2 measured ones
     fedshard, fedavg = res["rows"][:2]
     # equal budget: FedAvg's rounds are FedShard's fit client-steps over one round of all clients
     per_round = 8 * 3  # 8 clients, 12 samples, batch 5 -> 3 steps each
