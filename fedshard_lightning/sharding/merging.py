@@ -26,7 +26,13 @@ Departures from the paper and choices of ours (SPEC section 5 decides the first 
   cost information, stage 1 (all alphas equal) is one cluster filled by the same rule rather
   than a random grouping: the paper's "randomly picking" knows no costs, we know every client's
   steps. Ties (equal predicted M_e to 1e-9 relative): smallest ``|alpha|``, then a seeded random
-  order, so equal-sized clients are still grouped at random.
+  order, so equal-sized clients are still grouped at random. When the round policy can say before
+  training what each group will get (``StageCosts.rounds_fn``: A2, fixed), the greedy grouping is
+  then refined by swaps of same-cluster children under those exact rounds
+  (:func:`~fedshard_lightning.sharding.costs.refine_by_swaps`). Measured on digits (docs/fairness.md):
+  with equal rounds this cuts the spread of the unlearning costs 2.7x against count balancing; with
+  A2 in [2, 8] the rounds of the later stages, which A1 cannot know, dominate and the two
+  allocations end equal.
 - ``allocation="count"`` (the first implementation, kept for the ablation, and used whenever no
   :class:`StageCosts` is given): the shard whose addition keeps the groups' client counts most
   even, measured by the variance, over all groups, of the *projected* client counts: a group's
