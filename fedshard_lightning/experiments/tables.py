@@ -118,7 +118,7 @@ def write_tables(
     for r in rows:
         if r["method"] not in seen:
             seen.add(r["method"])
-            rules.append(f"- {r['method']}: {r.get('budget_rule')}")
+            rules.append(f"- {r['method']} (seed {r.get('seed')}): {r.get('budget_rule')}")
     (out / "compare.md").write_text("\n".join(head + body + rules) + "\n")
     (out / "compare.json").write_text(json.dumps({**meta, "summary": agg, "rows": rows}, indent=2) + "\n")
     tex = [
