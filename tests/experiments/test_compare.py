@@ -109,3 +109,30 @@ def test_compare_config_parses(capsys):
     out = capsys.readouterr().out
     for name in ("FedShard", "FedAvg", "FATS", "FedEraser", "RapidRetrain", "FedRecover"):
         assert f"fedshard_lightning.unlearning.{name}" in out
+
+
+@pytest.mark.parametrize("name", ["synthetic.yaml", "mia_synthetic.yaml"])
+def test_other_compare_configs_parse(name, capsys):
+    from pathlib import Path
+
+    from fedshard_lightning.experiments.compare import main
+
+    config = Path(__file__).resolve().parents[2] / "configs" / "compare" / name
+    with pytest.raises(SystemExit) as e:
+        main(["--config", str(config), "--print_config"])
+    assert e.value.code == 0
+    assert "seeds:" in capsys.readouterr().out
+
+
+def test_poisoning_config_parses(capsys):
+    from pathlib import Path
+
+    from fedshard_lightning.experiments.poisoning import main
+
+    config = Path(__file__).resolve().parents[2] / "configs" / "poisoning" / "approximate.yaml"
+    with pytest.raises(SystemExit) as e:
+        main(["--config", str(config), "--print_config"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for name in ("FedShard", "FedAvg", "FedEraser", "RapidRetrain", "FedRecover"):
+        assert f"fedshard_lightning.unlearning.{name}" in out
