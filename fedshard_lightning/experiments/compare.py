@@ -1,15 +1,23 @@
 """Side-by-side comparison of unlearning methods: the FedShard paper's Table 2 analogue.
 
-Every method trains on the same data partition with the same seed and model, then unlearns the
-same clients, each alone (:class:`~fedshard_lightning.callbacks.UnlearningReplay` in measured
-mode). The table reports per method: ``t`` (mean unlearning seconds), the mean unlearning cost in
-client-steps and its standard deviation across clients, ``M_e`` (efficiency fairness on seconds
-and on client-steps), ``M_p`` (performance fairness), membership-inference F1 on the original and
-the unlearned models, and test accuracy before and after. Written as ``compare.md``,
-``compare.csv`` and ``compare.json`` in ``output_dir`` and, with ``wandb``, as a W&B table.
+Every method trains on the same data partition with the same seed, model, batch size and local
+epochs (checked), **at the same training budget in client-steps** (``budget="match"``: FedShard,
+the first method, fits first; every other method gets the rounds that spend the same client-steps,
+see :mod:`~fedshard_lightning.experiments.budget`), then unlearns the same clients, each alone
+(:class:`~fedshard_lightning.callbacks.UnlearningReplay` in measured mode). With ``seeds`` it
+repeats everything per seed (data partition and training seed) and reports mean ± std.
 
-Departure from SPEC section 4: client alphas are computed against each method's own trained
-model (the callback's probe round), not one reference model shared by all methods.
+Per method: ``t`` (mean unlearning seconds per request), the mean cost in client-steps per
+request, the standard deviation over clients of the cost in client-steps (M_e without the
+``1/|alpha|`` weights, which one client with a near-zero alpha can dominate), ``M_e`` in client-steps (every client, exact predicted costs) and in seconds (the measured
+clients) as separate columns, ``M_p``, membership-inference F1 before and after, test accuracy
+before and after, and FedAvg retraining's cost over the method's (client-steps). ``M_e`` uses the
+client alphas of the first method's model for every method (SPEC section 4: methods compared side
+by side share one reference); ``M_p`` uses each method's own probe alphas (the replay's).
+
+Written to ``output_dir``: ``compare.md``, ``compare.csv`` (one row per method and seed),
+``compare.json``, ``compare.tex`` (:mod:`~fedshard_lightning.experiments.tables`) and
+``cost_distribution.png`` (:mod:`~fedshard_lightning.experiments.plots`); with ``wandb``, a W&B table.
 
     python -m fedshard_lightning.experiments.compare --config configs/compare/digits.yaml
 """
@@ -17,35 +25,25 @@ model (the callback's probe round), not one reference model shared by all method
 from __future__ import annotations
 
 import copy
-import csv
-import json
+import statistics
 import time
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
+
 from fedshard_lightning.callbacks.replay import UnlearningReplay
 from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.errors import ConfigError
+from fedshard_lightning.experiments.budget import match_budget
+from fedshard_lightning.experiments.plots import plot_cost_distributions
+from fedshard_lightning.experiments.tables import COLUMNS, aggregate, write_tables
+from fedshard_lightning.metrics import client_alphas, efficiency_fairness
 from fedshard_lightning.module import FederatedModule
 from fedshard_lightning.trainer import FederatedTrainer
 from fedshard_lightning.unlearning.base import Algorithm
 
 __all__ = ["COLUMNS", "compare"]
-
-COLUMNS = (
-    "method",
-    "t",
-    "client_steps",
-    "client_steps_std",
-    "M_e",
-    "M_e_steps",
-    "M_p",
-    "mia_f1_before",
-    "mia_f1_after",
-    "test_accuracy",
-    "test_accuracy_after",
-    "fit_seconds",
-)
 
 
 def _defaults(
@@ -61,6 +59,33 @@ def _defaults(
     return model, data, algorithms
 
 
+def _check_same_schedule(algorithms: list[Algorithm]) -> None:
+    """Batch size, local epochs and local steps must agree, or the budgets are not comparable."""
+    ref = algorithms[0].schedule
+    for a in algorithms[1:]:
+        s = a.schedule
+        if (s.batch_size, s.local_epochs, s.local_steps) != (
+            ref.batch_size,
+            ref.local_epochs,
+            ref.local_steps,
+        ):
+            raise ConfigError(
+                f"algorithms: {a.name} trains with batch_size={s.batch_size}, local_epochs={s.local_epochs}, "
+                f"local_steps={s.local_steps} but {algorithms[0].name} with batch_size={ref.batch_size}, "
+                f"local_epochs={ref.local_epochs}, local_steps={ref.local_steps}; give every method the same"
+            )
+
+
+def _me(costs: list[float], alphas: list[float], eps: float) -> float | None:
+    if not costs:
+        return None
+    return float(
+        efficiency_fairness(
+            torch.tensor(costs, dtype=torch.float64), torch.tensor(alphas, dtype=torch.float64), eps
+        )
+    )
+
+
 def compare(
     output_dir: str = "runs/compare",
     algorithms: list[Algorithm] | None = None,
@@ -69,35 +94,48 @@ def compare(
     clients: list[int] | None = None,
     num_leaving: int = 8,
     seed: int = 0,
+    seeds: list[int] | None = None,
+    budget: Literal["match", "as_configured"] = "match",
     mia: bool = True,
+    eps_alpha: float = 1e-6,
     wandb: bool = False,
     precision: str = "32-true",
     accelerator: str = "cpu",
     vectorize: Literal["auto", "always", "never"] = "auto",
 ) -> dict[str, Any]:
-    """Train every method, unlearn the same clients, write the comparison table.
+    """Train every method at the same budget, unlearn the same clients, write the comparison tables.
 
     Args:
         output_dir: Folder of the table files and of each method's run directory.
-        algorithms: Methods (default: FedShard, FedAvg retraining, FATS).
+        algorithms: Methods (default: FedShard, FedAvg retraining, FATS); the first one is the
+            budget reference (FedShard: its rounds come from A2).
         model: Model template, copied for each method (default: MLP 64-64 on digits).
-        data: Datamodule template, copied for each method (default: digits, K=64, Dirichlet 0.1).
+        data: Datamodule template, copied for each method and seed (default: digits, K=64, Dirichlet 0.1).
         clients: Clients to unlearn, each alone (default: ``num_leaving`` spread over the ids).
         num_leaving: How many clients when ``clients`` is not given.
-        seed: Training seed shared by all methods.
+        seed: Training and partition seed when ``seeds`` is not given.
+        seeds: Several seeds: everything is repeated per seed (the datamodule's partition seed too)
+            and the tables show mean ± std.
+        budget: ``match`` (every method after the first gets the first one's fit client-steps) or
+            ``as_configured`` (each method's configured rounds).
         mia: Run the membership-inference attack.
+        eps_alpha: ``eps_alpha`` of M_e.
         wandb: Also log each run and the table to W&B (offline).
         precision: Trainer precision.
         accelerator: Trainer accelerator.
         vectorize: Trainer vectorization mode.
 
     Returns:
-        ``{"rows": [...], "output": path}``.
+        ``{"rows": [...], "summary": [...], "clients": [...], "output": path}``.
     """
     model, data, algorithms = _defaults(model, data, algorithms)
     names = [a.name for a in algorithms]
     if len(set(names)) != len(names):
         raise ConfigError(f"algorithms: each method may appear once, got {names}")
+    if budget not in ("match", "as_configured"):
+        raise ConfigError(f"budget={budget!r}: choose match or as_configured")
+    _check_same_schedule(algorithms)
+    seeds = [int(seed)] if not seeds else [int(s) for s in seeds]
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     probe = copy.deepcopy(data)
@@ -110,14 +148,79 @@ def compare(
     bad = [c for c in clients if not 0 <= c < k]
     if bad:
         raise ConfigError(f"clients: unknown client ids {bad} (valid: 0..{k - 1})")
-    rows = []
-    for alg in algorithms:
-        replay = UnlearningReplay(mode="measured", clients=list(clients), seed=seed, mia=mia)
+    rows: list[dict[str, Any]] = []
+    dist_steps: dict[str, list[float]] = {n: [] for n in names}
+    dist_seconds: dict[str, list[float]] = {n: [] for n in names}
+    for s in seeds:
+        seed_rows = _run_seed(
+            s,
+            algorithms,
+            model,
+            data,
+            clients,
+            budget,
+            mia,
+            eps_alpha,
+            wandb,
+            precision,
+            accelerator,
+            vectorize,
+            out,
+        )
+        for r in seed_rows:
+            dist_steps[r["method"]].extend(r.pop("_z_steps"))
+            dist_seconds[r["method"]].extend(r.pop("_z_seconds"))
+        rows.extend(seed_rows)
+    agg = aggregate(rows)
+    meta = {
+        "seeds": seeds,
+        "clients": list(clients),
+        "budget": "every method at the first method's fit client-steps (rounds matched)"
+        if budget == "match"
+        else "each method's configured rounds",
+        "eps_alpha": eps_alpha,
+    }
+    write_tables(out, agg, rows, meta)
+    plot_cost_distributions(out / "cost_distribution.png", dist_steps, dist_seconds)
+    if wandb:
+        _log_wandb(out, agg)
+    return {"rows": rows, "summary": agg, "clients": list(clients), "output": str(out)}
+
+
+def _run_seed(
+    seed: int,
+    algorithms: list[Algorithm],
+    model: FederatedModule,
+    data: FederatedDataModule,
+    clients: list[int],
+    budget: str,
+    mia: bool,
+    eps_alpha: float,
+    wandb: bool,
+    precision: str,
+    accelerator: str,
+    vectorize: str,
+    out: Path,
+) -> list[dict[str, Any]]:
+    """Fit and replay every method for one seed; the first method fixes the budget and the alphas."""
+    dm = copy.deepcopy(data)
+    dm.seed = seed
+    rows: list[dict[str, Any]] = []
+    ref_budget: int | None = None
+    step_counts: list[int] | None = None
+    ref_alpha: dict[int, float] = {}
+    fa_cost: float | None = None
+    for i, template in enumerate(algorithms):
+        how: dict[str, Any] = {"rule": "as configured", "rounds": getattr(template, "rounds", None)}
+        alg = copy.deepcopy(template)
+        if budget == "match" and i > 0:
+            alg, how = match_budget(template, ref_budget, step_counts)
+        replay = UnlearningReplay(mode="measured", clients=list(clients), seed=seed, mia=mia, plots=False)
         trainer = FederatedTrainer(
             algorithm=alg,
             callbacks=[replay],
             default_root_dir=str(out / "runs"),
-            run_name=f"{alg.name}-{time.strftime('%Y%m%d-%H%M%S')}",
+            run_name=f"{alg.name}-s{seed}-{time.strftime('%Y%m%d-%H%M%S')}",
             precision=precision,
             accelerator=accelerator,
             vectorize=vectorize,
@@ -126,62 +229,57 @@ def compare(
             wandb=wandb,
             seed=seed,
         )
-        metrics = trainer.fit(copy.deepcopy(model), copy.deepcopy(data))
+        metrics = trainer.fit(copy.deepcopy(model), copy.deepcopy(dm))
+        k = alg.num_clients
+        if i == 0:
+            ref_budget = int(metrics["client_steps"])
+            step_counts = [alg.schedule.num_steps(int(n)) for n in trainer.datamodule.client_sizes]
+            ref_alpha = dict(enumerate(client_alphas(alg).cpu().tolist()))  # every client, probe round
+            if budget == "match":
+                how = {"rule": f"reference: fit spends C = {ref_budget} client-steps", "rounds": None}
         s = replay.summary or {}
-        rows.append(
-            {
-                "method": alg.name,
-                "t": s.get("unlearn_seconds_mean"),
-                "client_steps": s.get("unlearn_client_steps_mean"),
-                "client_steps_std": s.get("unlearn_client_steps_std"),
-                "M_e": s.get("M_e_seconds"),
-                "M_e_steps": s.get("M_e_steps"),
-                "M_p": s.get("M_p"),
-                "mia_f1_before": s.get("mia_f1_before"),
-                "mia_f1_after": s.get("mia_f1_after"),
-                "test_accuracy": metrics["test_accuracy"],
-                "test_accuracy_after": s.get("test_accuracy_after_mean"),
-                "fit_seconds": metrics["seconds"],
-                "run_dir": str(trainer.run_dir),
-            }
-        )
-    _write(out, rows, clients)
-    if wandb:
-        _log_wandb(out, rows)
-    return {"rows": rows, "clients": list(clients), "output": str(out)}
+        # every client's exact cost, predicted from the fitted state (the replay restored it)
+        z_steps = [float(alg.predict_cost([c])) for c in range(k)]
+        measured = [r for r in replay.rows if r["measured"] and r["Z_seconds"] is not None]
+        z_sec = [float(r["Z_seconds"]) for r in measured]
+        row = {
+            "method": alg.name,
+            "seed": seed,
+            "fit_client_steps": int(metrics["client_steps"]),
+            "test_accuracy": metrics["test_accuracy"],
+            "t": s.get("unlearn_seconds_mean"),
+            "client_steps": s.get("unlearn_client_steps_mean"),
+            "cost_std_steps": statistics.pstdev(z_steps) if z_steps else None,
+            "clients_in_M_e_steps": len(z_steps),
+            "M_e_steps": _me(z_steps, [ref_alpha[c] for c in range(k)], eps_alpha),
+            "M_e_seconds": _me(z_sec, [ref_alpha[r["client"]] for r in measured], eps_alpha),
+            "M_p": s.get("M_p"),
+            "mia_f1_before": s.get("mia_f1_before"),
+            "mia_f1_after": s.get("mia_f1_after"),
+            "test_accuracy_after": s.get("test_accuracy_after_mean"),
+            "budget_rule": how["rule"],
+            "rounds": how.get("rounds"),
+            "run_dir": str(trainer.run_dir),
+            "_z_steps": z_steps,
+            "_z_seconds": z_sec,
+        }
+        if alg.name == "fedavg":
+            fa_cost = row["client_steps"]
+        rows.append(row)
+    for row in rows:
+        row["speedup_steps"] = (fa_cost / row["client_steps"]) if fa_cost and row["client_steps"] else None
+    return rows
 
 
-def _fmt(v: Any) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)
-
-
-def _write(out: Path, rows: list[dict[str, Any]], clients: list[int]) -> None:
-    with open(out / "compare.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=[*COLUMNS, "run_dir"])
-        w.writeheader()
-        w.writerows(rows)
-    lines = [
-        f"Unlearned clients (each alone): {clients}",
-        "",
-        "| " + " | ".join(COLUMNS) + " |",
-        "|" + "---|" * len(COLUMNS),
-        *("| " + " | ".join(_fmt(r[c]) for c in COLUMNS) + " |" for r in rows),
-    ]
-    (out / "compare.md").write_text("\n".join(lines) + "\n")
-    (out / "compare.json").write_text(json.dumps({"clients": clients, "rows": rows}, indent=2) + "\n")
-
-
-def _log_wandb(out: Path, rows: list[dict[str, Any]]) -> None:
+def _log_wandb(out: Path, agg: list[dict[str, Any]]) -> None:
     import wandb
 
     run = wandb.init(
         project="fedshard-lightning", name="compare", job_type="compare", dir=str(out), mode="offline"
     )
-    run.log({"compare": wandb.Table(columns=list(COLUMNS), data=[[r[c] for c in COLUMNS] for r in rows])})
+    cols = ["method", *(h for _, h, _ in COLUMNS)]
+    data = [[e["method"], *(e[k]["mean"] for k, _, _ in COLUMNS)] for e in agg]
+    run.log({"compare": wandb.Table(columns=cols, data=data)})
     run.finish()
 
 

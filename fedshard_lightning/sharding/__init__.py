@@ -7,6 +7,13 @@ loop lives in the engine and the FedShard algorithm.
 from __future__ import annotations
 
 from fedshard_lightning.sharding.contribution import flatten_update, signed_angles, unflatten_update
+from fedshard_lightning.sharding.costs import (
+    StageCosts,
+    expected_future_costs,
+    predicted_m_e,
+    refine_by_swaps,
+    tree_client_costs,
+)
 from fedshard_lightning.sharding.merging import (
     A1Merge,
     MergePolicy,
@@ -36,12 +43,17 @@ __all__ = [
     "RoundPolicy",
     "Shard",
     "ShardTree",
+    "StageCosts",
     "a1_grouping",
     "a2_rounds",
+    "expected_future_costs",
     "flatten_update",
     "group_capacities",
     "num_stages",
+    "predicted_m_e",
     "random_grouping",
+    "refine_by_swaps",
     "signed_angles",
+    "tree_client_costs",
     "unflatten_update",
 ]

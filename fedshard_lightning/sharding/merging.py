@@ -16,13 +16,29 @@ Departures from the paper and choices of ours (SPEC section 5 decides the first 
   shards, sorted by ``(alpha, index)``, are cut into three consecutive parts of near-equal size
   (the first parts take the extra one, as ``numpy.array_split`` does).
 - Group capacities: ``R`` for every group except the last, which takes ``n - R * (N - 1)``.
-- The paper's ``allocateChildShard`` picks the child minimizing ``M_e``; SPEC says "the shard whose
-  addition keeps the groups' client counts most even". We measure evenness by the variance, over
-  all groups, of the *projected* client counts: a group's count so far plus its free slots times
-  the mean client count of the shards not yet placed. The projection compares half-filled groups
-  fairly; the plain variance of current counts would favour small shards early and leave the
-  large ones for last (in our measurements its spread was 35% larger). Ties: smallest ``|alpha|``,
-  then smallest index.
+- ``allocateChildShard`` (``allocation="cost"``, the default, paper Algorithm 2 as SPEC section 5
+  states it): the candidate whose addition gives the lowest ``M_e`` of the predicted per-client
+  unlearning costs (:mod:`~fedshard_lightning.sharding.costs`: client-steps from the tree, the
+  expected rounds of this stage and the expected cost of the later stages). Half-filled groups
+  and unplaced shards are projected: each free slot is counted at the mean step sum of the shards
+  not yet placed, and an unplaced shard is counted in an average group. Every candidate is scored
+  in O(1) from running sums (no per-client pass), so it scales to thousands of shards. With
+  cost information, stage 1 (all alphas equal) is one cluster filled by the same rule rather
+  than a random grouping: the paper's "randomly picking" knows no costs, we know every client's
+  steps. Ties (equal predicted M_e to 1e-9 relative): smallest ``|alpha|``, then a seeded random
+  order, so equal-sized clients are still grouped at random. When the round policy can say before
+  training what each group will get (``StageCosts.rounds_fn``: A2, fixed), the greedy grouping is
+  then refined by swaps of same-cluster children under those exact rounds
+  (:func:`~fedshard_lightning.sharding.costs.refine_by_swaps`). Measured on digits (docs/fairness.md):
+  with equal rounds this cuts the spread of the unlearning costs 2.7x against count balancing; with
+  A2 in [2, 8] the rounds of the later stages, which A1 cannot know, dominate and the two
+  allocations end equal.
+- ``allocation="count"`` (the first implementation, kept for the ablation, and used whenever no
+  :class:`StageCosts` is given): the shard whose addition keeps the groups' client counts most
+  even, measured by the variance, over all groups, of the *projected* client counts: a group's
+  count so far plus its free slots times the mean client count of the shards not yet placed.
+  Ties: smallest ``|alpha|``, then smallest index. It ignores that client sizes differ by 30x
+  under Dirichlet skew.
 - The mean alpha of a group is the unweighted mean over its children; an empty group has mean 0,
   so it first takes a negative shard.
 - Output order (canonical, independent of the filling order): each group sorted ascending, groups
@@ -43,11 +59,12 @@ import heapq
 import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
 from fedshard_lightning.errors import ConfigError
+from fedshard_lightning.sharding.costs import StageCosts, refine_by_swaps
 
 __all__ = ["A1Merge", "MergePolicy", "RandomMerge", "a1_grouping", "group_capacities", "random_grouping"]
 
@@ -57,10 +74,19 @@ class MergePolicy:
 
     Subclass it and override :meth:`group` to plug a new merging rule into a config via
     ``class_path``; the trainer calls it once per stage and freezes the result in the shard tree.
+    A policy that sets ``needs_costs = True`` also receives the stage's predicted unlearning costs
+    as ``group(..., costs=StageCosts)``.
     """
 
+    needs_costs: bool = False
+
     def group(
-        self, alphas: Sequence[float], client_counts: Sequence[int], merge_rate: int, seed: int
+        self,
+        alphas: Sequence[float],
+        client_counts: Sequence[int],
+        merge_rate: int,
+        seed: int,
+        costs: StageCosts | None = None,
     ) -> list[list[int]]:
         """Group ``n`` shards into ``ceil(n / merge_rate)`` new shards.
 
@@ -69,6 +95,7 @@ class MergePolicy:
             client_counts: Number of clients of every shard of the previous stage.
             merge_rate: Merging rate ``R >= 2``.
             seed: Non-negative seed of every random choice (derive it from the run seed and stage).
+            costs: Predicted unlearning costs of the stage (only for ``needs_costs`` policies).
 
         Returns:
             Groups of shard indices: a partition of ``range(n)`` into ``ceil(n / R)`` groups whose
@@ -86,7 +113,12 @@ class RandomMerge(MergePolicy):
     """Seeded random grouping: the merging of the "naive sharding" ablation (SPEC section 5)."""
 
     def group(
-        self, alphas: Sequence[float], client_counts: Sequence[int], merge_rate: int, seed: int
+        self,
+        alphas: Sequence[float],
+        client_counts: Sequence[int],
+        merge_rate: int,
+        seed: int,
+        costs: StageCosts | None = None,
     ) -> list[list[int]]:
         """Group the shards at random; ``alphas`` and ``client_counts`` only give their number."""
         _check_inputs(alphas, client_counts, merge_rate, seed)
@@ -98,21 +130,40 @@ class A1Merge(MergePolicy):
 
     Args:
         n_init: Number of KMeans initializations (scikit-learn's ``n_init``), at least 1.
+        allocation: ``cost`` (the paper's ``allocateChildShard``: lowest predicted M_e of the
+            unlearning costs) or ``count`` (balance client counts; the ablation of the first
+            implementation).
 
     Raises:
-        ConfigError: If ``n_init`` is not a positive integer.
+        ConfigError: If ``n_init`` is not a positive integer or ``allocation`` is unknown.
     """
 
-    def __init__(self, n_init: int = 10) -> None:
+    needs_costs = True
+
+    def __init__(self, n_init: int = 10, allocation: Literal["cost", "count"] = "cost") -> None:
         if isinstance(n_init, bool) or not isinstance(n_init, int) or n_init < 1:
             raise ConfigError(f"n_init={n_init!r} must be an integer >= 1 (KMeans initializations)")
+        _check_allocation(allocation)
         self.n_init = n_init
+        self.allocation = allocation
 
     def group(
-        self, alphas: Sequence[float], client_counts: Sequence[int], merge_rate: int, seed: int
+        self,
+        alphas: Sequence[float],
+        client_counts: Sequence[int],
+        merge_rate: int,
+        seed: int,
+        costs: StageCosts | None = None,
     ) -> list[list[int]]:
         """Group the shards by A1; see :func:`a1_grouping`."""
-        return a1_grouping(alphas, client_counts, merge_rate, seed, n_init=self.n_init)
+        return a1_grouping(
+            alphas,
+            client_counts,
+            merge_rate,
+            seed,
+            n_init=self.n_init,
+            costs=costs if self.allocation == "cost" else None,
+        )
 
 
 def group_capacities(num_items: int, merge_rate: int) -> list[int]:
@@ -155,6 +206,7 @@ def a1_grouping(
     merge_rate: int,
     seed: int,
     n_init: int = 10,
+    costs: StageCosts | None = None,
 ) -> list[list[int]]:
     """FedShard's A1 grouping, SPEC section 5 steps 1-6 (see the module docstring for the rules).
 
@@ -162,8 +214,11 @@ def a1_grouping(
         alphas: Signed contribution angle of every shard of the previous stage.
         client_counts: Number of clients (>= 1) of every shard of the previous stage.
         merge_rate: Merging rate ``R >= 2``.
-        seed: Non-negative seed of the random grouping (all alphas equal) and of KMeans.
+        seed: Non-negative seed of the random grouping (all alphas equal), of KMeans and of the
+            tie-break order.
         n_init: Number of KMeans initializations.
+        costs: Predicted unlearning costs: ``allocateChildShard`` minimises their M_e. None: it
+            balances client counts instead.
 
     Returns:
         The groups in canonical order (see :meth:`MergePolicy.group`).
@@ -178,12 +233,22 @@ def a1_grouping(
     n = len(a)
     if n == 0:
         return []
+    if costs is not None and len(costs.shard_clients) != n:
+        raise ValueError(f"costs describe {len(costs.shard_clients)} shards, got {n} alphas")
+    caps = group_capacities(n, merge_rate)
     if np.all(a == a[0]):
-        return random_grouping(n, merge_rate, seed)
-    negative, middle, positive = _three_clusters(a, seed, n_init)
+        if costs is None:
+            return random_grouping(n, merge_rate, seed)
+        negative, middle, positive = [], list(range(n)), []
+    else:
+        negative, middle, positive = _three_clusters(a, seed, n_init)
 
-    filler = _Filler(group_capacities(n, merge_rate), a, counts)
-    pools = [_Pool(cluster, a, counts) for cluster in (negative, middle, positive)]
+    if costs is not None:
+        filler: _Filler | _CostFiller = _CostFiller(caps, a, costs, seed)
+        pools: list[Any] = [_CostPool(cluster) for cluster in (negative, middle, positive)]
+    else:
+        filler = _Filler(caps, a, counts)
+        pools = [_Pool(cluster, a, counts) for cluster in (negative, middle, positive)]
     negative_pool, middle_pool, positive_pool = pools
     while middle_pool:  # step 4
         filler.place(middle_pool)
@@ -192,7 +257,14 @@ def a1_grouping(
     for leftover in (negative_pool, positive_pool):  # step 6
         while leftover:
             filler.place(leftover)
-    return _canonical(filler.groups)
+    groups = filler.groups
+    if costs is not None and costs.rounds_fn is not None:
+        labels = [0] * n
+        for label, cluster in enumerate((negative, middle, positive)):
+            for i in cluster:
+                labels[i] = label
+        groups = refine_by_swaps(groups, labels, a, costs, seed)
+    return _canonical(groups)
 
 
 class _Pool:
@@ -278,6 +350,128 @@ class _Filler:
             heapq.heappush(self.heap, (size + 1, g))
 
 
+class _CostPool:
+    """A cluster's unplaced shards for the cost-aware filler."""
+
+    def __init__(self, members: list[int]) -> None:
+        self.members = list(members)
+
+    def __bool__(self) -> bool:
+        return bool(self.members)
+
+
+class _CostFiller:
+    """Groups filled by ``allocateChildShard``: each candidate scored by the predicted M_e in O(1).
+
+    Every client's predicted cost is ``Z_c = v_c + T * (S + f * m)`` where ``v_c`` = cost already
+    paid + expected later cost - ``T * s_c``, ``S`` the step sum of its (projected) group, ``f`` the
+    group's free slots (an unplaced shard: the mean free slots of an average group) and ``m`` the
+    mean step sum of the shards not yet placed. A group (or unplaced shard) enters M_e only through
+    seven sums (:meth:`_contrib`), so adding a child changes three of them.
+    """
+
+    _N = 7
+
+    def __init__(self, caps: list[int], a: np.ndarray, costs: StageCosts, seed: int) -> None:
+        s, w = costs.client_steps, costs.weights
+        t = float(costs.rounds)
+        v = costs.paid + costs.future - t * s
+        self.t, self.k, self.w_total = t, float(len(s)), float(w.sum())
+        n_items = len(costs.shard_clients)
+        # per child shard: clients, sum v, sum w, sum w v, sum w v^2, step sum b
+        self.child = np.zeros((n_items, 6))
+        for j, clients in enumerate(costs.shard_clients):
+            idx = np.asarray(clients, dtype=np.int64)
+            self.child[j] = (
+                idx.size,
+                v[idx].sum(),
+                w[idx].sum(),
+                (w[idx] * v[idx]).sum(),
+                (w[idx] * v[idx] ** 2).sum(),
+                s[idx].sum(),
+            )
+        self.k_free = max(sum(caps) / len(caps) - 1.0, 0.0)
+        self.groups: list[list[int]] = [[] for _ in caps]
+        self.gsum = np.zeros((len(caps), 6))  # same columns as child
+        self.free = np.asarray(caps, dtype=np.float64)
+        self.alpha_sums = [0.0] * len(caps)
+        self.a = a
+        self.rank = np.random.default_rng(seed).permutation(n_items)
+        self.unplaced_b, self.unplaced_n = float(self.child[:, 5].sum()), n_items
+        self.total = self._contrib(self.child, self.k_free).sum(axis=0)  # groups are empty
+        self.heap = [(0, g) for g in range(len(caps))]
+
+    def _contrib(self, rows: np.ndarray, f: np.ndarray | float) -> np.ndarray:
+        """The seven sums (Σu, Σk, Σwu, Σwk, Σwu², Σwuk, Σwk²) of entities with sums ``rows``."""
+        n, sv, sw, swv, swv2, big_s = rows.T
+        t = self.t
+        wu = swv + sw * t * big_s
+        return np.stack(
+            [
+                sv + n * t * big_s,
+                n * f,
+                wu,
+                sw * f,
+                swv2 + 2 * t * big_s * swv + sw * (t * big_s) ** 2,
+                f * wu,
+                sw * f * f,
+            ],
+            axis=-1,
+        )
+
+    def _m_e(self, total: np.ndarray, m: np.ndarray | float) -> np.ndarray:
+        a, kk, wu, wk, wu2, wuk, wk2 = total.T
+        tm = self.t * m
+        z_avg = (a + tm * kk) / self.k
+        swz = wu + tm * wk
+        swz2 = wu2 + 2 * tm * wuk + tm * tm * wk2
+        return (swz2 - 2 * z_avg * swz + z_avg * z_avg * self.w_total) / self.k
+
+    def next_mean_alpha(self) -> float:
+        """Mean alpha of the group that receives the next shard (0 for an empty group)."""
+        g = self.heap[0][1]
+        return self.alpha_sums[g] / len(self.groups[g]) if self.groups[g] else 0.0
+
+    def scores(self, g: int, candidates: np.ndarray) -> np.ndarray:
+        """Predicted M_e after adding each candidate to group ``g``."""
+        rows = self.child[candidates]
+        merged = self.gsum[g] + rows
+        new_total = (
+            self.total
+            - self._contrib(self.gsum[g : g + 1], self.free[g])
+            - self._contrib(rows, self.k_free)
+            + self._contrib(merged, self.free[g] - 1.0)
+        )
+        left = self.unplaced_n - 1
+        m = (self.unplaced_b - rows[:, 5]) / left if left > 0 else np.zeros(len(rows))
+        return self._m_e(new_total, m)
+
+    def place(self, pool: _CostPool) -> None:
+        """Give the next group (fewest children, lowest index) the candidate of lowest predicted M_e."""
+        size, g = heapq.heappop(self.heap)
+        cand = np.asarray(pool.members, dtype=np.int64)
+        sc = self.scores(g, cand)
+        best = sc.min()
+        tied = cand[sc <= best + 1e-9 * max(1.0, abs(best))]
+        i = int(min(tied, key=lambda j: (abs(float(self.a[j])), int(self.rank[j]))))
+        pool.members.remove(i)
+        row = self.child[i]
+        self.total = (
+            self.total
+            - self._contrib(self.gsum[g : g + 1], self.free[g])[0]
+            - self._contrib(row[None], self.k_free)[0]
+        )
+        self.gsum[g] += row
+        self.free[g] -= 1.0
+        self.total = self.total + self._contrib(self.gsum[g : g + 1], self.free[g])[0]
+        self.unplaced_b -= float(row[5])
+        self.unplaced_n -= 1
+        self.groups[g].append(i)
+        self.alpha_sums[g] += float(self.a[i])
+        if self.free[g]:
+            heapq.heappush(self.heap, (size + 1, g))
+
+
 @functools.cache
 def _threadpool_controller() -> Any:
     # Scanning the loaded native libraries costs ~10 ms; do it once per process.
@@ -312,6 +506,13 @@ def _three_clusters(a: np.ndarray, seed: int, n_init: int) -> tuple[list[int], l
 
 def _canonical(groups: list[list[int]]) -> list[list[int]]:
     return sorted((sorted(int(i) for i in g) for g in groups), key=lambda g: g[0])
+
+
+def _check_allocation(allocation: str) -> None:
+    if allocation not in ("cost", "count"):
+        raise ConfigError(
+            f"allocation={allocation!r}: choose cost (lowest predicted M_e, the paper) or count (balance client counts)"
+        )
 
 
 def _check_rate(merge_rate: int) -> None:

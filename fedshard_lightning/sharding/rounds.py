@@ -113,6 +113,18 @@ class RoundPolicy:
         """Whether ``stage`` trains with early stopping (its rounds are then upper bounds)."""
         return False
 
+    def expected_rounds(self, stage: int, last: bool) -> float:
+        """Rounds a shard of ``stage`` is expected to get, before the grouping is known.
+
+        A1's cost model (:mod:`~fedshard_lightning.sharding.costs`) weighs the stages with it.
+        The default, 1, weighs every stage alike; override it for a better prediction.
+
+        Args:
+            stage: Stage ``p >= 1``.
+            last: Whether ``stage`` is the final stage (one shard).
+        """
+        return 1.0
+
     def make_tracker(self, num_groups: int) -> ConvergenceTracker:
         """Early-stopping tracker for a calibrating stage with ``num_groups`` shards."""
         raise NotImplementedError(f"{type(self).__name__} does not calibrate")
@@ -149,6 +161,10 @@ class FixedRounds(RoundPolicy):
         """``rounds`` for every new shard."""
         return [self.rounds_per_shard] * len(children_alphas)
 
+    def expected_rounds(self, stage: int, last: bool) -> float:
+        """``rounds``: known exactly."""
+        return float(self.rounds_per_shard)
+
     def __repr__(self) -> str:
         return f"FixedRounds(rounds={self.rounds_per_shard})"
 
@@ -171,6 +187,10 @@ class A2Rounds(RoundPolicy):
     def rounds(self, stage: int, children_alphas: Sequence[Sequence[float]]) -> list[int]:
         """A2 rounds from the population variance of every shard's children's alphas."""
         return a2_rounds([_population_variance(c) for c in children_alphas], self.t0, self.t1)
+
+    def expected_rounds(self, stage: int, last: bool) -> float:
+        """``t1`` where all variances are equal (stage 1, the last stage), else the middle of the range."""
+        return float(self.t1) if stage == 1 or last else (self.t0 + self.t1) / 2
 
 
 class AutoRounds(RoundPolicy):
@@ -240,6 +260,14 @@ class AutoRounds(RoundPolicy):
             )
         variances = [_population_variance(c) for c in children_alphas]
         return a2_rounds(variances, *observed)
+
+    def expected_rounds(self, stage: int, last: bool) -> float:
+        """Mean observed rounds (``T1`` at the last stage) once observed; ``max_rounds / 2`` before."""
+        if not self._observed:
+            return self.max_rounds / 2
+        if last and not self.calibrating(stage):
+            return float(max(self._observed))
+        return sum(self._observed) / len(self._observed)
 
     def observe(self, stage: int, rounds_used: Sequence[int]) -> None:
         """Record the rounds the shards of a calibrating ``stage`` trained.

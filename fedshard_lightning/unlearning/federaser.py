@@ -17,8 +17,15 @@ model. One calibration round replaces ``delta_t`` training rounds, so the cost i
 Choices and departures:
 
 * Norms are per layer tensor (every weight and every bias separately), as in the authors' code
-  (``unlearning_step_once`` normalises each ``state_dict`` entry), and per client, as in the
-  paper's formula; the code instead calibrates the *average* update of the round.
+  (``unlearning_step_once`` normalises each ``state_dict`` entry). ``calibrate="mean"`` (default,
+  the authors' code): the round's *average* new update takes the direction, the average retained
+  update the magnitude. ``calibrate="client"`` (the paper's per-client formula above, our first
+  implementation): every client's update is calibrated, then averaged. Averages are weighted by
+  sample counts, as our FedAvg aggregates (the code averages clients equally).
+* ``reuse_first_round=True`` (default, as the authors' code): retained round 0 started from
+  theta^0, the same model the replay starts from, so the remaining clients' retained updates are
+  exactly what they would compute again (keyed randomness); the replay averages them without
+  training (no client-steps). ``False`` retrains round 0 with calibration (our first implementation).
 * Calibration epochs are ``ceil(calibration_ratio * local_epochs)`` (the code's ``np.ceil``), or
   ``ceil(calibration_ratio * local_steps)`` when ``local_steps`` is set; at least 1. With
   ``local_epochs=1`` the ratio therefore saves nothing (a warning says so): use
@@ -40,7 +47,7 @@ import math
 import time
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -91,6 +98,10 @@ class FedEraser(HistoryFedAvg):
         rounds: Communication rounds.
         delta_t: Retention interval (rounds ``0, delta_t, 2 delta_t, ...`` are kept).
         calibration_ratio: Share of the local epochs (or steps) of calibration training, in (0, 1].
+        calibrate: ``mean`` (calibrate the round's average update, the authors' code) or ``client``
+            (calibrate each client's update, the paper's formula).
+        reuse_first_round: Average the retained round-0 updates without retraining them (the
+            authors' code); False retrains round 0.
         **kwargs: Local training settings, see :class:`~fedshard_lightning.unlearning.base.Algorithm`.
     """
 
@@ -98,8 +109,20 @@ class FedEraser(HistoryFedAvg):
     exact = False
 
     def __init__(
-        self, rounds: int = 20, delta_t: int = 2, calibration_ratio: float = 0.5, **kwargs: Any
+        self,
+        rounds: int = 20,
+        delta_t: int = 2,
+        calibration_ratio: float = 0.5,
+        calibrate: Literal["mean", "client"] = "mean",
+        reuse_first_round: bool = True,
+        **kwargs: Any,
     ) -> None:
+        if calibrate not in ("mean", "client"):
+            raise ConfigError(
+                f"algorithm.calibrate={calibrate!r}: choose mean (authors' code) or client (paper)"
+            )
+        self.calibrate = calibrate
+        self.reuse_first_round = bool(reuse_first_round)
         if isinstance(delta_t, bool) or not isinstance(delta_t, int) or delta_t < 1:
             raise ConfigError(f"algorithm.delta_t={delta_t!r}: must be a positive integer")
         if not (isinstance(calibration_ratio, (int, float)) and 0 < calibration_ratio <= 1):
@@ -139,8 +162,15 @@ class FedEraser(HistoryFedAvg):
         return [(r, cl) for r, cl in plan if cl]
 
     def predict_cost(self, clients: Sequence[int]) -> int:
-        """Calibration steps of the remaining participants of every retained round."""
-        return sum(self.calibration_engine.client_steps_of(cl) for _, cl in self._plan(clients))
+        """Calibration steps of the remaining participants of every retained (and not reused) round."""
+        return sum(
+            self.calibration_engine.client_steps_of(cl)
+            for r, cl in self._plan(clients)
+            if not self._reused(r)
+        )
+
+    def _reused(self, r: int) -> bool:
+        return self.reuse_first_round and r == 0
 
     def unlearn(self, clients: Sequence[int]) -> UnlearnResult:
         """Replay the retained rounds from theta^0 without ``clients``, calibrating every update."""
@@ -152,18 +182,33 @@ class FedEraser(HistoryFedAvg):
         steps = 0
         w = dict(self.theta0)
         sizes = self.ctx.client_sizes
+        dev = self.ctx.device
         for r, cl in plan:
-            res = self.train_round(w, cl, r, keep=True, engine=self.calibration_engine)
-            steps += res.client_steps
-            ids, _, new = self.client_updates(res)
+            if self._reused(r):
+                ids, new = list(cl), None
+            else:
+                res = self.train_round(w, cl, r, keep=True, engine=self.calibration_engine)
+                steps += res.client_steps
+                ids, _, new = self.client_updates(res)
             ts = time.perf_counter()
-            _, old = self.history.load(r, self.ctx.device)
+            _, old = self.history.load(r, dev)
             pos = {c: i for i, c in enumerate(self.history.participants[r])}
-            rows = torch.as_tensor([pos[c] for c in ids], device=self.ctx.device)
+            rows = torch.as_tensor([pos[c] for c in ids], device=dev)
             old = {k: v.index_select(0, rows) for k, v in old.items()}
-            cal = calibrate_updates(old, new)
-            n = torch.as_tensor([float(sizes[c]) for c in ids], dtype=torch.float64)
-            step = weighted_mean(cal, n.to(self.ctx.device))
+            n = torch.as_tensor([float(sizes[c]) for c in ids], dtype=torch.float64).to(dev)
+            if new is None:  # round 0 from theta^0: the retained updates are the replay's own
+                step = weighted_mean(old, n)
+            elif self.calibrate == "mean":
+                mean_old, mean_new = weighted_mean(old, n), weighted_mean(new, n)
+                step = {
+                    k: v[0]
+                    for k, v in calibrate_updates(
+                        {k: v.unsqueeze(0) for k, v in mean_old.items()},
+                        {k: v.unsqueeze(0) for k, v in mean_new.items()},
+                    ).items()
+                }
+            else:
+                step = weighted_mean(calibrate_updates(old, new), n)
             w = {k: v + step[k] for k, v in w.items()}
             server += time.perf_counter() - ts
         seconds = time.perf_counter() - t
@@ -177,7 +222,8 @@ class FedEraser(HistoryFedAvg):
             seconds,
             server_seconds=server,
             details={
-                "calibrated_rounds": [r for r, _ in plan],
+                "calibrated_rounds": [r for r, _ in plan if not self._reused(r)],
+                "reused_rounds": [r for r, _ in plan if self._reused(r)],
                 "calibration_local_epochs": self.calibration_schedule.local_epochs,
                 "calibration_local_steps": self.calibration_schedule.local_steps,
             },

@@ -42,9 +42,12 @@ from fedshard_lightning.sharding import (
     RandomMerge,
     RoundPolicy,
     ShardTree,
+    StageCosts,
+    expected_future_costs,
     flatten_update,
     num_stages,
     signed_angles,
+    tree_client_costs,
 )
 from fedshard_lightning.unlearning.base import Algorithm, UnlearnResult
 from fedshard_lightning.unlearning.context import AlgorithmContext
@@ -58,9 +61,11 @@ def _merge_policy(merge: str | MergePolicy) -> MergePolicy:
         return merge
     if merge == "a1":
         return A1Merge()
+    if merge == "a1_count":
+        return A1Merge(allocation="count")
     if merge == "random":
         return RandomMerge()
-    raise ConfigError(f"algorithm.merge={merge!r}: choose a1, random or a MergePolicy class_path")
+    raise ConfigError(f"algorithm.merge={merge!r}: choose a1, a1_count, random or a MergePolicy class_path")
 
 
 class FedShard(ShardCache, Algorithm):
@@ -68,8 +73,10 @@ class FedShard(ShardCache, Algorithm):
 
     Args:
         merge_rate: R, children per merged shard (>= 2).
-        merge: ``a1`` (direction-balanced, the paper's A1), ``random`` (naive sharding) or a
-            :class:`~fedshard_lightning.sharding.MergePolicy`.
+        merge: ``a1`` (direction-balanced, the paper's A1, whose ``allocateChildShard`` picks the
+            child of lowest predicted M_e of the unlearning costs), ``a1_count`` (A1 balancing
+            client counts instead, the first implementation, for the ablation), ``random`` (naive
+            sharding) or a :class:`~fedshard_lightning.sharding.MergePolicy`.
         rounds: ``a2`` (A2 within [t0, t1]), ``fixed`` (``fixed_rounds`` everywhere), ``auto``
             (A2 with [T0, T1] measured by training stages 1-2 to convergence), or a
             :class:`~fedshard_lightning.sharding.RoundPolicy`.
@@ -87,7 +94,7 @@ class FedShard(ShardCache, Algorithm):
     def __init__(
         self,
         merge_rate: int = 2,
-        merge: Literal["a1", "random"] | MergePolicy = "a1",
+        merge: Literal["a1", "a1_count", "random"] | MergePolicy = "a1",
         rounds: Literal["a2", "fixed", "auto"] | RoundPolicy = "a2",
         t0: int = 2,
         t1: int = 8,
@@ -229,9 +236,18 @@ class FedShard(ShardCache, Algorithm):
                 prev_alpha = [r.alpha for r in self.records[-1]]
                 prev_counts = [len(r.clients) for r in self.records[-1]]
                 prev_weights = [r.weight for r in self.records[-1]]
-            grouping = self.merge_policy.group(
-                prev_alpha, prev_counts, self.merge_rate, self._merge_seed(stage)
-            )
+            if self.merge_policy.needs_costs:
+                grouping = self.merge_policy.group(
+                    prev_alpha,
+                    prev_counts,
+                    self.merge_rate,
+                    self._merge_seed(stage),
+                    costs=self._stage_costs(stage),
+                )
+            else:
+                grouping = self.merge_policy.group(
+                    prev_alpha, prev_counts, self.merge_rate, self._merge_seed(stage)
+                )
             shards = self.tree.add_stage(grouping)
             children_alphas = [[prev_alpha[c] for c in g] for g in grouping]
             rounds = self.round_policy.rounds(stage, children_alphas)
@@ -276,6 +292,32 @@ class FedShard(ShardCache, Algorithm):
             stage_metrics.update(test_accuracy=acc, test_loss=loss)
             events.stage_end(stage, stage_metrics)
         return self.current_params()
+
+    def _stage_costs(self, stage: int) -> StageCosts:
+        """A1's cost model for ``stage``: costs paid in the trained stages, expected rounds and later costs."""
+        planned = self.planned_stages
+        if stage == 1:
+            children = [[c] for c in range(self.num_clients)]
+        else:
+            children = [list(r.clients) for r in self.records[-1]]
+        paid = tree_client_costs(
+            [[(r.clients, r.rounds) for r in recs] for recs in self.records], self._steps
+        )
+        later_shards, later_rounds, n = [], [], -(-len(children) // self.merge_rate)
+        for p in range(stage + 1, planned + 1):
+            n = -(-n // self.merge_rate)
+            later_shards.append(n)
+            later_rounds.append(self.round_policy.expected_rounds(p, last=p == planned))
+        return StageCosts(
+            shard_clients=children,
+            client_steps=self._steps,
+            paid=paid,
+            rounds=self.round_policy.expected_rounds(stage, last=stage == planned),
+            future=expected_future_costs(self._steps, later_shards, later_rounds),
+            rounds_fn=None
+            if self.round_policy.calibrating(stage)
+            else lambda children_alphas: self.round_policy.rounds(stage, children_alphas),
+        )
 
     def _stage_average(self, stage: int) -> dict[str, Tensor]:
         """theta^p for the stage's test accuracy: the live shards weighted by their training samples.
@@ -333,6 +375,27 @@ class FedShard(ShardCache, Algorithm):
             for i, rec in enumerate(recs)
         )
 
+    def ratio_counting_leaving(self, clients: Sequence[int]) -> float:
+        """The paper's r1 measured: the leaving clients' own steps counted on both sides.
+
+        Proposition 1 divides the training of the whole tree (``T_train = P T K``, every client
+        counted) by the retraining of the affected shards *with* their full client counts
+        (``T_un = sum_p T R^p``). :meth:`retrain_cost` / :meth:`predict_cost` (the trainer's
+        ``speedup_client_steps``) leave the leaving clients out of both sides instead. With fixed
+        rounds, equal client sizes and ``K = R**P`` this equals ``theoretical_speedup()`` exactly.
+        """
+        before = set(self.unlearned)
+        leaving = set(clients)
+        total = affected = 0
+        for p, recs in enumerate(self.records, start=1):
+            for i, rec in enumerate(recs):
+                present = [c for c in rec.clients if c not in before]
+                cost = self._shard_cost(p, i, present, rec.rounds)
+                total += cost
+                if leaving & set(present):
+                    affected += cost
+        return total / affected if affected else float("inf")
+
     # -- unlearning -------------------------------------------------------------------------------
     def _replay(self, gone: set[int], only: dict[int, list[int]] | None) -> tuple[list, list, int, list]:
         """Recompute shards bottom-up without ``gone``: the listed ones (``only``) or all of them."""
@@ -372,6 +435,7 @@ class FedShard(ShardCache, Algorithm):
         plan = self._plan(clients)
         predicted = self.predict_cost(clients)
         retrain = self.retrain_cost(clients)
+        ratio_with_leaving = self.ratio_counting_leaving(clients)
         gone = set(self.unlearned) | set(clients)
         t = time.perf_counter()
         records, models, steps, retrained = self._replay(gone, plan)
@@ -389,6 +453,7 @@ class FedShard(ShardCache, Algorithm):
                 "retrained_shards": [{"stage": p, "shard": i} for p, i in retrained],
                 "empty_shards": [{"stage": p, "shard": i} for p, i in emptied],
                 "theoretical_r1": self.theoretical_speedup(),
+                "speedup_client_steps_counting_leaving": ratio_with_leaving,
             },
         )
 

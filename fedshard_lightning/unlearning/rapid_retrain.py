@@ -24,6 +24,12 @@ Choices and departures:
   per-client loop build it).
 * Whole clients are removed (the package's unlearning requests name clients), and the
   remaining clients' local training otherwise follows the configured schedule.
+* The number of unlearning rounds is configured (``unlearn_rounds``, default ``rounds // 2``), not
+  earned: the paper stops rapid retraining when the model has converged, so its cost follows from
+  the data. Ours is a fixed share of the training rounds, so RapidRetrain's cost ratio to FedAvg
+  retraining is ``rounds / unlearn_rounds`` (2 by default) by construction, and its per-client
+  cost varies only with the leaving client's own steps. ``experiments.compare`` keeps the share
+  when it matches the training budget. Read its ``t`` and ``M_e`` with that in mind.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ def _setting():
     return MLP(hidden=(8,), lr=0.1), data
 
 
-def test_compare_two_methods(tmp_path):
+def test_compare_two_methods_two_seeds_equal_budget(tmp_path):
     model, data = _setting()
     res = compare(
         output_dir=str(tmp_path),
@@ -29,18 +29,66 @@ def test_compare_two_methods(tmp_path):
         model=model,
         data=data,
         clients=[1, 6],
+        seeds=[0, 1],
         mia=False,
     )
-    assert [r["method"] for r in res["rows"]] == ["fedshard", "fedavg"]
+    assert [(r["method"], r["seed"]) for r in res["rows"]] == [
+        ("fedshard", 0),
+        ("fedavg", 0),
+        ("fedshard", 1),
+        ("fedavg", 1),
+    ]
     rows = list(csv.DictReader((tmp_path / "compare.csv").read_text().splitlines()))
-    assert [r["method"] for r in rows] == ["fedshard", "fedavg"]
+    assert [r["method"] for r in rows] == ["fedshard", "fedavg", "fedshard", "fedavg"]
     for r in res["rows"]:
-        assert r["client_steps"] > 0 and r["t"] >= 0 and r["M_p"] is not None and r["M_e"] is not None
-    fedshard, fedavg = res["rows"]
+        assert r["client_steps"] > 0 and r["t"] >= 0 and r["M_p"] is not None
+        assert r["M_e_steps"] is not None and r["M_e_seconds"] is not None
+        assert r["clients_in_M_e_steps"] == 8  # every client, not only the 2 measured ones
+    fedshard, fedavg = res["rows"][:2]
+    # equal budget: FedAvg's rounds are FedShard's fit client-steps over one round of all clients
+    per_round = 8 * 3  # 8 clients, 12 samples, batch 5 -> 3 steps each
+    assert fedavg["rounds"] == round(fedshard["fit_client_steps"] / per_round)
+    assert abs(fedavg["fit_client_steps"] - fedshard["fit_client_steps"]) <= per_round / 2
     assert fedshard["client_steps"] < fedavg["client_steps"]  # retraining only the affected shards
+    assert fedavg["speedup_steps"] == 1.0 and fedshard["speedup_steps"] > 1.0
+    # mean +- std over the two seeds, units in the headers
+    summary = {e["method"]: e for e in res["summary"]}
+    vals = [r["fit_client_steps"] for r in res["rows"] if r["method"] == "fedavg"]
+    assert summary["fedavg"]["fit_client_steps"]["mean"] == pytest.approx(sum(vals) / 2)
+    assert summary["fedavg"]["fit_client_steps"]["n"] == 2
     md = (tmp_path / "compare.md").read_text()
-    assert all(c in md for c in COLUMNS) and "[1, 6]" in md
+    assert all(h in md for _, h, _ in COLUMNS) and "[1, 6]" in md and " ± " in md
+    assert "M_e (client-steps^2 / rad)" in md and "M_e (s^2 / rad)" in md
+    assert r"\pm" in (tmp_path / "compare.tex").read_text()
+    assert (tmp_path / "cost_distribution.png").stat().st_size > 0
     assert json.loads((tmp_path / "compare.json").read_text())["clients"] == [1, 6]
+
+
+def test_compare_refuses_unequal_local_training(tmp_path):
+    model, data = _setting()
+    with pytest.raises(ConfigError, match="local_epochs=2"):
+        compare(
+            output_dir=str(tmp_path),
+            algorithms=[FedShard(batch_size=5), FedAvg(rounds=1, batch_size=5, local_epochs=2)],
+            model=model,
+            data=data,
+        )
+
+
+def test_match_budget_rules():
+    from fedshard_lightning.experiments.budget import match_budget
+    from fedshard_lightning.unlearning import FATS, RapidRetrain
+
+    steps = [2] * 10  # S = 20 client-steps per round of all clients
+    fa, how = match_budget(FedAvg(rounds=3), 400, steps)
+    assert fa.rounds == 20 and how["rounds"] == 20
+    fats, _ = match_budget(FATS(rounds=3, sample_size=5), 400, steps)
+    share = 1 - 0.9**5  # distinct share of 5 draws out of 10
+    assert fats.rounds == round(400 / (20 * share))
+    rr, how = match_budget(RapidRetrain(rounds=10, unlearn_rounds=5), 400, steps)
+    assert rr.rounds == 20 and rr.unlearn_rounds == 10 and "unlearn_rounds" in how["rule"]
+    _fs, how = match_budget(FedShard(), 400, steps)
+    assert how["rounds"] is None
 
 
 def test_compare_rejects_unknown_clients(tmp_path):
@@ -60,4 +108,31 @@ def test_compare_config_parses(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     for name in ("FedShard", "FedAvg", "FATS", "FedEraser", "RapidRetrain", "FedRecover"):
+        assert f"fedshard_lightning.unlearning.{name}" in out
+
+
+@pytest.mark.parametrize("name", ["synthetic.yaml", "mia_synthetic.yaml"])
+def test_other_compare_configs_parse(name, capsys):
+    from pathlib import Path
+
+    from fedshard_lightning.experiments.compare import main
+
+    config = Path(__file__).resolve().parents[2] / "configs" / "compare" / name
+    with pytest.raises(SystemExit) as e:
+        main(["--config", str(config), "--print_config"])
+    assert e.value.code == 0
+    assert "seeds:" in capsys.readouterr().out
+
+
+def test_poisoning_config_parses(capsys):
+    from pathlib import Path
+
+    from fedshard_lightning.experiments.poisoning import main
+
+    config = Path(__file__).resolve().parents[2] / "configs" / "poisoning" / "approximate.yaml"
+    with pytest.raises(SystemExit) as e:
+        main(["--config", str(config), "--print_config"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for name in ("FedShard", "FedAvg", "FedEraser", "RapidRetrain", "FedRecover"):
         assert f"fedshard_lightning.unlearning.{name}" in out

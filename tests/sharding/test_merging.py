@@ -197,7 +197,7 @@ def test_policies_delegate_to_the_functions() -> None:
     assert A1Merge(n_init=3).group(alphas, counts, 2, 11) == a1_grouping(alphas, counts, 2, 11, n_init=3)
     assert RandomMerge().group(alphas, counts, 2, 11) == random_grouping(5, 2, 11)
     assert isinstance(A1Merge(), MergePolicy)
-    assert repr(A1Merge()) == "A1Merge(n_init=10)"
+    assert repr(A1Merge()) == "A1Merge(n_init=10, allocation='cost')"
     with pytest.raises(NotImplementedError):
         MergePolicy().group(alphas, counts, 2, 0)
 

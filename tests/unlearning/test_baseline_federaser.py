@@ -46,7 +46,10 @@ def test_calibration_matches_numpy_reference():
 
 
 def test_history_and_end_to_end_unlearning(run_root):
-    trainer = fit(run_root, FedEraser, rounds=4, delta_t=2, local_epochs=2)
+    """Per-client calibration with round 0 retrained: the paper's formula (``calibrate="client"``)."""
+    trainer = fit(
+        run_root, FedEraser, rounds=4, delta_t=2, local_epochs=2, calibrate="client", reuse_first_round=False
+    )
     alg = trainer.algorithm
     assert alg.history.rounds == [0, 2]
     assert alg.calibration_schedule.local_epochs == 1
@@ -79,6 +82,31 @@ def test_history_and_end_to_end_unlearning(run_root):
             prev = old[k][rest].numpy()
             scale = [np.linalg.norm(prev[i]) / np.linalg.norm(new[i]) for i in range(len(rest))]
             w[k] = w[k] + torch.tensor(np.tensordot(sizes / sizes.sum() * scale, new, axes=1))
+    assert max_diff(res.params, w) <= 1e-12
+
+
+def test_default_calibrates_the_mean_update_and_reuses_round_0(run_root):
+    """The authors' code: round 0 averaged from the retained updates, later rounds calibrate the mean."""
+    alg = fit(run_root, FedEraser, rounds=4, delta_t=2, local_epochs=2).algorithm
+    res = alg.unlearn([3])
+    rest = [0, 1, 2, 4, 5]
+    assert res.details["reused_rounds"] == [0] and res.details["calibrated_rounds"] == [2]
+    assert res.client_steps == res.predicted_client_steps == alg.calibration_engine.client_steps_of(rest)
+    sizes = np.array([alg.ctx.client_sizes[c] for c in rest], dtype=float)
+    p = sizes / sizes.sum()
+    w = {k: v.clone() for k, v in alg.theta0.items()}
+    _, old0 = alg.history.load(0, "cpu")
+    for k in w:
+        w[k] = w[k] + torch.tensor(np.tensordot(p, old0[k][rest].numpy(), axes=1))
+    out = alg.calibration_engine.train_groups(
+        stack_params([w]), [Group(0, tuple(rest), 1)], 2, keep_client_params=True
+    )
+    client = out.history[0].client_params
+    _, old2 = alg.history.load(2, "cpu")
+    for k in w:
+        mean_new = np.tensordot(p, (client[k] - w[k]).numpy(), axes=1)
+        mean_old = np.tensordot(p, old2[k][rest].numpy(), axes=1)
+        w[k] = w[k] + torch.tensor(np.linalg.norm(mean_old) / np.linalg.norm(mean_new) * mean_new)
     assert max_diff(res.params, w) <= 1e-12
 
 

@@ -80,6 +80,11 @@ def test_cost_ratio_matches_closed_form(run_root, k, r):
         p * (k - 1) / sum(r**q - 1 for q in range(1, p + 1))
     )
     assert rep["theoretical_r1"] == pytest.approx((r - 1) / r * k / (k - 1) * p)
+    # the paper's r1 counts the leaving client on both sides: P K / sum_p R^p, exactly r1
+    assert rep["speedup_client_steps_counting_leaving"] == pytest.approx(
+        p * k / sum(r**q for q in range(1, p + 1)), rel=1e-12
+    )
+    assert rep["speedup_client_steps_counting_leaving"] == pytest.approx(rep["theoretical_r1"], rel=1e-12)
 
 
 def test_resume_is_bit_identical(run_root, tmp_path):
@@ -126,7 +131,7 @@ def test_same_seed_bit_identical_other_seed_differs(run_root, tmp_path):
     assert not all(torch.equal(a[k], c[k]) for k in a)
 
 
-@pytest.mark.parametrize("merge", ["a1", "random"])
+@pytest.mark.parametrize("merge", ["a1", "a1_count", "random"])
 @pytest.mark.parametrize("rounds", ["fixed", "a2", "auto"])
 def test_ablation_settings_train_and_unlearn(run_root, merge, rounds):
     kw = dict(k=8, merge=merge, rounds=rounds, t0=1, t1=3, precision="64-true")

@@ -1,0 +1,62 @@
+"""Equal training budgets for a comparison of unlearning methods, in client-steps.
+
+A comparison of unlearning costs means little when the methods trained different amounts: a
+method that trained less also has less to retrain. The reference is FedShard's fit (its rounds
+come from A2, so it cannot be set in advance); every other method gets the number of rounds that
+spends the same client-steps (one client-step = one local optimizer step of one client):
+
+- all-client methods (FedAvg, FedEraser, RapidRetrain, FedRecover; ``client_fraction`` applied):
+  ``rounds = round(C / (f * S))`` with ``C`` FedShard's fit client-steps, ``S`` the client-steps of
+  one round of all clients and ``f`` the client fraction;
+- FATS draws ``sample_size`` clients with replacement per round and drops duplicates, so a round
+  holds ``K (1 - (1 - 1/K)^m)`` distinct clients on average: ``rounds = round(C / (S * that / K))``.
+
+RapidRetrain keeps its ratio of unlearning to training rounds. The fit's real client-steps are
+reported beside the target, because rounding (and FATS's draws) leave a small difference.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["match_budget"]
+
+
+def _distinct_share(num_clients: int, draws: int) -> float:
+    """Expected share of distinct clients in ``draws`` draws with replacement out of ``num_clients``."""
+    return 1.0 - (1.0 - 1.0 / num_clients) ** draws
+
+
+def match_budget(algorithm: Any, budget: int, client_steps: Sequence[int]) -> tuple[Any, dict[str, Any]]:
+    """A copy of ``algorithm`` whose fit spends about ``budget`` client-steps.
+
+    Args:
+        algorithm: A baseline with a ``rounds`` attribute (FedAvg, FATS, FedEraser, RapidRetrain,
+            FedRecover); FedShard and other algorithms without one are returned unchanged.
+        budget: Target client-steps (FedShard's fit).
+        client_steps: Local steps of one round of every client (same schedule for all methods).
+
+    Returns:
+        ``(copy, how)`` where ``how`` says how it was matched: ``rounds``, ``target_client_steps``
+        and a sentence ``rule``.
+    """
+    alg = copy.deepcopy(algorithm)
+    if not hasattr(alg, "rounds") or not isinstance(alg.rounds, int):
+        return alg, {"rule": "reference (its own rounds)", "rounds": None, "target_client_steps": budget}
+    k = len(client_steps)
+    per_round = float(sum(client_steps))
+    if hasattr(alg, "sample_size"):
+        share = _distinct_share(k, int(alg.sample_size))
+        rule = f"round(C / (S * {share:.3f})): {alg.sample_size} draws with replacement per round"
+    else:
+        share = float(getattr(alg, "client_fraction", 1.0))
+        rule = "round(C / S): all clients every round" if share == 1.0 else f"round(C / ({share} S))"
+    old = alg.rounds
+    rounds = max(1, round(budget / (per_round * share)))
+    alg.rounds = rounds
+    if hasattr(alg, "unlearn_rounds"):  # RapidRetrain: keep the configured share of rounds
+        alg.unlearn_rounds = max(1, round(alg.unlearn_rounds * rounds / old))
+        rule += f"; unlearn_rounds scaled to {alg.unlearn_rounds}"
+    return alg, {"rule": rule, "rounds": rounds, "target_client_steps": budget}
