@@ -39,14 +39,10 @@ class GroupSums:
     """
 
     def __init__(self, like: dict[str, Tensor], participants: Sequence[int]) -> None:
-        self.names = list(like)
-        first = like[self.names[0]]
-        self.shapes = [like[k].shape[1:] for k in self.names]
-        self.sizes = [int(torch.Size(s).numel()) for s in self.shapes]
-        self.acc = torch.zeros(len(participants), sum(self.sizes), dtype=first.dtype, device=first.device)
+        self.acc = {k: torch.zeros_like(v) for k, v in like.items()}
         self.count = [int(c) for c in participants]
         self.seen = [0] * len(participants)
-        self._carry: tuple[Tensor, list[tuple[int, int, int]]] | None = None
+        self._carry: tuple[dict[str, Tensor], list[tuple[int, int, int]]] | None = None
 
     def add(self, params: dict[str, Tensor], weights: Tensor, owners: Sequence[int]) -> None:
         """Add the next rows of the round, in participant order.
@@ -56,17 +52,18 @@ class GroupSums:
             weights: FedAvg weight of each row (sample count), [m].
             owners: Group of each row.
         """
-        m = len(owners)
-        flat = torch.cat([params[k].reshape(m, -1) for k in self.names], 1)
-        flat = flat * weights.to(flat.dtype).unsqueeze(1)
         meta = []
         for g in owners:
             j = self.seen[g]
             self.seen[g] += 1
             meta.append((g, j // BLOCK, j % BLOCK))
+        first = next(iter(params.values()))
+        w = weights.to(dtype=first.dtype, device=first.device)
+        rows = {k: v.reshape(len(owners), -1) * w.unsqueeze(1) for k, v in params.items()}
         if self._carry is not None:
-            rows, old = self._carry
-            flat, meta = torch.cat([rows, flat]), old + meta
+            old, old_meta = self._carry
+            rows = {k: torch.cat([old[k], v]) for k, v in rows.items()}
+            meta = old_meta + meta
             self._carry = None
         # Blocks whose last row has arrived are summed now; an open block waits for the next chunk.
         last = meta[-1]
@@ -75,46 +72,74 @@ class GroupSums:
             cut = len(meta)
             while cut > 0 and meta[cut - 1][:2] == last[:2]:
                 cut -= 1
-            self._carry = (flat[cut:].clone(), meta[cut:])
-            flat, meta = flat[:cut], meta[:cut]
+            self._carry = ({k: v[cut:].clone() for k, v in rows.items()}, meta[cut:])
+            rows, meta = {k: v[:cut] for k, v in rows.items()}, meta[:cut]
         if not meta:
             return
-        blocks: dict[tuple[int, int], int] = {}
-        pad = len(meta)  # index of the zero row
-        index = []
-        for i, (g, b, p) in enumerate(meta):
-            k = blocks.setdefault((g, b), len(blocks))
-            if k == len(index):
-                index.append([pad] * BLOCK)
-            index[k][p] = i
-        src = torch.cat([flat, flat.new_zeros(1, flat.shape[1])])
-        idx = torch.as_tensor(index, device=flat.device)
-        sums = tree_sum(src[idx])
+        # Rows of a block are contiguous (participant order). Blocks of equal length are summed
+        # together by a pairwise tree on a [blocks, length, D] view.
+        keys: list[tuple[int, int]] = []
+        offsets: list[int] = []
+        lengths: list[int] = []
+        for i, (g, b, _) in enumerate(meta):
+            if keys and keys[-1] == (g, b):
+                lengths[-1] += 1
+            else:
+                keys.append((g, b))
+                offsets.append(i)
+                lengths.append(1)
+        buckets: dict[int, list[int]] = {}
+        for k, n in enumerate(lengths):
+            buckets.setdefault(n, []).append(k)
+        dev = first.device
+        plans = []
+        for n, blocks in buckets.items():
+            if len(buckets) == 1:
+                pick = None  # every row, in order: a view, no copy
+            else:
+                pick = torch.as_tensor([offsets[k] + j for k in blocks for j in range(n)], device=dev)
+            plans.append((n, blocks, pick))
         # Each group's blocks are added in block order; one index_add_ per rank touches a group once.
-        keys = list(blocks)
         rank: dict[int, int] = {}
-        by_rank: list[tuple[list[int], list[int]]] = []
+        order: list[tuple[int, int]] = []  # (rank, block)
         for k, (g, _) in enumerate(keys):
             r = rank.get(g, 0)
             rank[g] = r + 1
-            if r == len(by_rank):
-                by_rank.append(([], []))
-            by_rank[r][0].append(g)
-            by_rank[r][1].append(k)
-        for groups, rows in by_rank:
-            g_t = torch.as_tensor(groups, device=flat.device)
-            r_t = torch.as_tensor(rows, device=flat.device)
-            self.acc.index_add_(0, g_t, sums.index_select(0, r_t))
+            order.append((r, k))
+        ranks = max(r for r, _ in order) + 1
+        for name, x in rows.items():
+            sums = x.new_empty((len(keys), x.shape[1]))
+            for n, blocks, pick in plans:
+                xb = (x if pick is None else x.index_select(0, pick)).view(len(blocks), n, -1)
+                part = _pairwise(xb)
+                if pick is None:
+                    sums = part
+                else:
+                    sums.index_copy_(0, torch.as_tensor(blocks, device=dev), part)
+            acc = self.acc[name].view(len(self.count), -1)
+            for r in range(ranks):
+                ks = [k for rr, k in order if rr == r]
+                g_t = torch.as_tensor([keys[k][0] for k in ks], device=dev)
+                src = sums if len(ks) == len(keys) else sums.index_select(0, torch.as_tensor(ks, device=dev))
+                acc.index_add_(0, g_t, src)
 
     def totals(self) -> dict[str, Tensor]:
         """The per-group sums [G, ...] by name (every row must have been added)."""
         if self._carry is not None:
             raise RuntimeError("GroupSums.totals before every participant was added")
-        out, lo = {}, 0
-        for k, shape, n in zip(self.names, self.shapes, self.sizes):
-            out[k] = self.acc[:, lo : lo + n].view(len(self.count), *shape)
-            lo += n
-        return out
+        return self.acc
+
+
+def _pairwise(x: Tensor) -> Tensor:
+    """Sum ``x`` [n, L, D] over dim 1 by adjacent pairs, an odd last row carried unchanged.
+
+    With L <= BLOCK this equals :func:`tree_sum` over BLOCK slots padded with zeros.
+    """
+    while x.shape[1] > 1:
+        pairs = x.shape[1] // 2
+        y = x[:, 0 : 2 * pairs : 2] + x[:, 1 : 2 * pairs : 2]
+        x = torch.cat([y, x[:, -1:]], 1) if x.shape[1] % 2 else y
+    return x[:, 0]
 
 
 def mix_rows(models: dict[str, Tensor], mixes: Sequence[Sequence[tuple[int, float]]]) -> dict[str, Tensor]:
