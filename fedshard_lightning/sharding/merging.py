@@ -64,6 +64,7 @@ from typing import Any, Literal
 import numpy as np
 
 from fedshard_lightning.errors import ConfigError
+from fedshard_lightning.sharding.cost_filler import CostFiller, CostPool
 from fedshard_lightning.sharding.costs import StageCosts, refine_by_swaps
 
 __all__ = ["A1Merge", "MergePolicy", "RandomMerge", "a1_grouping", "group_capacities", "random_grouping"]
@@ -244,8 +245,8 @@ def a1_grouping(
         negative, middle, positive = _three_clusters(a, seed, n_init)
 
     if costs is not None:
-        filler: _Filler | _CostFiller = _CostFiller(caps, a, costs, seed)
-        pools: list[Any] = [_CostPool(cluster) for cluster in (negative, middle, positive)]
+        filler: _Filler | CostFiller = CostFiller(caps, a, costs, seed)
+        pools: list[Any] = [CostPool(cluster) for cluster in (negative, middle, positive)]
     else:
         filler = _Filler(caps, a, counts)
         pools = [_Pool(cluster, a, counts) for cluster in (negative, middle, positive)]
@@ -346,128 +347,6 @@ class _Filler:
         self.groups[g].append(i)
         self.alpha_sums[g] += float(self.a[i])
         self.left, self.left_sum = self.left - 1, self.left_sum - c
-        if self.free[g]:
-            heapq.heappush(self.heap, (size + 1, g))
-
-
-class _CostPool:
-    """A cluster's unplaced shards for the cost-aware filler."""
-
-    def __init__(self, members: list[int]) -> None:
-        self.members = list(members)
-
-    def __bool__(self) -> bool:
-        return bool(self.members)
-
-
-class _CostFiller:
-    """Groups filled by ``allocateChildShard``: each candidate scored by the predicted M_e in O(1).
-
-    Every client's predicted cost is ``Z_c = v_c + T * (S + f * m)`` where ``v_c`` = cost already
-    paid + expected later cost - ``T * s_c``, ``S`` the step sum of its (projected) group, ``f`` the
-    group's free slots (an unplaced shard: the mean free slots of an average group) and ``m`` the
-    mean step sum of the shards not yet placed. A group (or unplaced shard) enters M_e only through
-    seven sums (:meth:`_contrib`), so adding a child changes three of them.
-    """
-
-    _N = 7
-
-    def __init__(self, caps: list[int], a: np.ndarray, costs: StageCosts, seed: int) -> None:
-        s, w = costs.client_steps, costs.weights
-        t = float(costs.rounds)
-        v = costs.paid + costs.future - t * s
-        self.t, self.k, self.w_total = t, float(len(s)), float(w.sum())
-        n_items = len(costs.shard_clients)
-        # per child shard: clients, sum v, sum w, sum w v, sum w v^2, step sum b
-        self.child = np.zeros((n_items, 6))
-        for j, clients in enumerate(costs.shard_clients):
-            idx = np.asarray(clients, dtype=np.int64)
-            self.child[j] = (
-                idx.size,
-                v[idx].sum(),
-                w[idx].sum(),
-                (w[idx] * v[idx]).sum(),
-                (w[idx] * v[idx] ** 2).sum(),
-                s[idx].sum(),
-            )
-        self.k_free = max(sum(caps) / len(caps) - 1.0, 0.0)
-        self.groups: list[list[int]] = [[] for _ in caps]
-        self.gsum = np.zeros((len(caps), 6))  # same columns as child
-        self.free = np.asarray(caps, dtype=np.float64)
-        self.alpha_sums = [0.0] * len(caps)
-        self.a = a
-        self.rank = np.random.default_rng(seed).permutation(n_items)
-        self.unplaced_b, self.unplaced_n = float(self.child[:, 5].sum()), n_items
-        self.total = self._contrib(self.child, self.k_free).sum(axis=0)  # groups are empty
-        self.heap = [(0, g) for g in range(len(caps))]
-
-    def _contrib(self, rows: np.ndarray, f: np.ndarray | float) -> np.ndarray:
-        """The seven sums (Σu, Σk, Σwu, Σwk, Σwu², Σwuk, Σwk²) of entities with sums ``rows``."""
-        n, sv, sw, swv, swv2, big_s = rows.T
-        t = self.t
-        wu = swv + sw * t * big_s
-        return np.stack(
-            [
-                sv + n * t * big_s,
-                n * f,
-                wu,
-                sw * f,
-                swv2 + 2 * t * big_s * swv + sw * (t * big_s) ** 2,
-                f * wu,
-                sw * f * f,
-            ],
-            axis=-1,
-        )
-
-    def _m_e(self, total: np.ndarray, m: np.ndarray | float) -> np.ndarray:
-        a, kk, wu, wk, wu2, wuk, wk2 = total.T
-        tm = self.t * m
-        z_avg = (a + tm * kk) / self.k
-        swz = wu + tm * wk
-        swz2 = wu2 + 2 * tm * wuk + tm * tm * wk2
-        return (swz2 - 2 * z_avg * swz + z_avg * z_avg * self.w_total) / self.k
-
-    def next_mean_alpha(self) -> float:
-        """Mean alpha of the group that receives the next shard (0 for an empty group)."""
-        g = self.heap[0][1]
-        return self.alpha_sums[g] / len(self.groups[g]) if self.groups[g] else 0.0
-
-    def scores(self, g: int, candidates: np.ndarray) -> np.ndarray:
-        """Predicted M_e after adding each candidate to group ``g``."""
-        rows = self.child[candidates]
-        merged = self.gsum[g] + rows
-        new_total = (
-            self.total
-            - self._contrib(self.gsum[g : g + 1], self.free[g])
-            - self._contrib(rows, self.k_free)
-            + self._contrib(merged, self.free[g] - 1.0)
-        )
-        left = self.unplaced_n - 1
-        m = (self.unplaced_b - rows[:, 5]) / left if left > 0 else np.zeros(len(rows))
-        return self._m_e(new_total, m)
-
-    def place(self, pool: _CostPool) -> None:
-        """Give the next group (fewest children, lowest index) the candidate of lowest predicted M_e."""
-        size, g = heapq.heappop(self.heap)
-        cand = np.asarray(pool.members, dtype=np.int64)
-        sc = self.scores(g, cand)
-        best = sc.min()
-        tied = cand[sc <= best + 1e-9 * max(1.0, abs(best))]
-        i = int(min(tied, key=lambda j: (abs(float(self.a[j])), int(self.rank[j]))))
-        pool.members.remove(i)
-        row = self.child[i]
-        self.total = (
-            self.total
-            - self._contrib(self.gsum[g : g + 1], self.free[g])[0]
-            - self._contrib(row[None], self.k_free)[0]
-        )
-        self.gsum[g] += row
-        self.free[g] -= 1.0
-        self.total = self.total + self._contrib(self.gsum[g : g + 1], self.free[g])[0]
-        self.unplaced_b -= float(row[5])
-        self.unplaced_n -= 1
-        self.groups[g].append(i)
-        self.alpha_sums[g] += float(self.a[i])
         if self.free[g]:
             heapq.heappush(self.heap, (size + 1, g))
 

@@ -21,7 +21,7 @@ from fedshard_lightning.sharding import (
     random_grouping,
     tree_client_costs,
 )
-from fedshard_lightning.sharding.merging import _CostFiller, _CostPool
+from fedshard_lightning.sharding.cost_filler import CostFiller, CostPool
 
 
 def reference_m_e(z: np.ndarray, alphas: np.ndarray, eps: float = 1e-6) -> float:
@@ -78,7 +78,7 @@ def test_tree_costs_equal_fedshard_predict_cost(tmp_path: Path) -> None:
 
 
 def direct_scores(
-    filler: _CostFiller, costs: StageCosts, g: int, cands: list[int], unplaced: list[int]
+    filler: CostFiller, costs: StageCosts, g: int, cands: list[int], unplaced: list[int]
 ) -> list[float]:
     """Predicted M_e by building every client's projected cost (no running sums)."""
     s, t = costs.client_steps, costs.rounds
@@ -123,8 +123,8 @@ def test_cost_filler_scores_equal_a_direct_computation(
         rng.uniform(0, 300, size=k),
         weights=rng.uniform(0.5, 3, size=k),
     )
-    filler = _CostFiller(group_capacities(n, rate), rng.normal(size=n), costs, seed)
-    pool = _CostPool(list(range(n)))
+    filler = CostFiller(group_capacities(n, rate), rng.normal(size=n), costs, seed)
+    pool = CostPool(list(range(n)))
     placed = data.draw(st.integers(0, n - 1))
     for _ in range(placed):
         filler.place(pool)
