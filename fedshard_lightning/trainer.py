@@ -54,7 +54,8 @@ class FederatedTrainer:
         accelerator: Fabric accelerator (``cpu``, ``cuda``, ``auto``).
         devices: Fabric devices.
         strategy: Fabric strategy.
-        precision: Fabric precision, e.g. ``32-true`` or ``64-true`` (float64, for exactness checks).
+        precision: Fabric precision, e.g. ``32-true`` or ``64-true`` (float64, for exactness checks);
+            ``*-mixed`` is refused (the engine does not autocast).
         callbacks: Extra federated callbacks; progress and metrics logging are always included
             (FLCache commits are the trainer's own, not a callback).
         loggers: Extra Fabric loggers; a CSV logger into the run directory is always included.
@@ -101,6 +102,12 @@ class FederatedTrainer:
             raise ConfigError(f"trainer.algorithm: expected an Algorithm, got {type(algorithm).__name__}")
         if vectorize not in ("auto", "always", "never"):
             raise ConfigError(f"trainer.vectorize={vectorize!r}: choose auto, always or never")
+        if "mixed" in str(precision):
+            raise ConfigError(
+                f"trainer.precision={precision!r}: mixed precision is not supported (the engine trains "
+                "in the parameters' own dtype, so autocast would change nothing); use 32-true or 64-true "
+                "(float64)"
+            )
         if eval_every_n_rounds < 0:
             raise ConfigError(f"trainer.eval_every_n_rounds={eval_every_n_rounds}: must be >= 0")
         self.algorithm = algorithm
