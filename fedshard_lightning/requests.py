@@ -144,7 +144,7 @@ def apply_request(trainer: Any, clients: Any) -> dict[str, Any]:
             }
         )
     trainer.fabric.call("on_unlearn_end", trainer, report=report)
-    finish_loggers(trainer.fabric.loggers, trainer.wandb)
+    finish_loggers(trainer.fabric.loggers, trainer.wandb, trainer.run_dir, trainer.log_step_start + 1)
     trainer._print(
         f"unlearn: clients {ids} removed with {report['client_steps']} client-steps "
         f"(retraining: {report['retrain_client_steps']}, {report['speedup_client_steps']:.2f}x), "

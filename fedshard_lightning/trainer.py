@@ -13,6 +13,7 @@ it never sees the trainer.
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 from typing import Any, Literal
 
@@ -25,9 +26,9 @@ from fedshard_lightning.cache import FLCache, atomic_save_tensors, load_tensors
 from fedshard_lightning.callbacks import FederatedCallback, default_callbacks
 from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.engine import evaluate
-from fedshard_lightning.errors import CacheError, ConfigError
+from fedshard_lightning.errors import CacheError, ConfigError, FedShardError
 from fedshard_lightning.fingerprint import fingerprint
-from fedshard_lightning.loggers import run_loggers
+from fedshard_lightning.loggers import run_loggers, wandb_state
 from fedshard_lightning.loop import TrainerEvents, launch_fabric, load_run, run_fit
 from fedshard_lightning.module import FederatedModule
 from fedshard_lightning.requests import apply_request
@@ -40,6 +41,13 @@ from fedshard_lightning.store import RunStore
 from fedshard_lightning.unlearning.base import Algorithm
 
 __all__ = ["FederatedTrainer"]
+
+
+def resume_hint(run_dir: Path, cli: bool) -> str:
+    """The exact command that resumes an interrupted fit (the run's config.yaml is read by the CLI)."""
+    if cli:
+        return f"resume with: python -m fedshard_lightning fit --ckpt_path {run_dir}"
+    return f"resume with: FederatedTrainer(...same settings...).fit(model, datamodule, ckpt_path={str(run_dir)!r})"
 
 
 def _as_list(value: Any) -> list[Any]:
@@ -62,6 +70,8 @@ class FederatedTrainer:
         wandb: Also log to Weights & Biases, offline unless ``wandb_mode`` says otherwise.
         wandb_project: W&B project name.
         wandb_mode: ``offline`` (default, no account or network needed) or ``online``.
+        wandb_group: W&B group of the run (default: the setting without method and seed, e.g.
+            ``digits-K32-rho0.5``); give one experiment's runs the same group to compare them.
         default_root_dir: Folder that receives one sub-folder per run.
         run_name: Name of the run folder (default ``version_N``); never overwritten.
         vectorize: ``auto`` (time both once, keep the faster), ``always`` (stacked clients) or
@@ -85,6 +95,7 @@ class FederatedTrainer:
         wandb: bool = False,
         wandb_project: str = "fedshard-lightning",
         wandb_mode: Literal["offline", "online"] = "offline",
+        wandb_group: str | None = None,
         default_root_dir: str = "runs",
         run_name: str | None = None,
         vectorize: Literal["auto", "always", "never"] = "auto",
@@ -120,6 +131,9 @@ class FederatedTrainer:
         self.user_callbacks = _as_list(callbacks)
         self.user_loggers = _as_list(loggers)
         self.wandb, self.wandb_project, self.wandb_mode = wandb, wandb_project, wandb_mode
+        self.wandb_group = wandb_group
+        self.csv_history: list[dict[str, str]] = []
+        self.log_step_start = 0
         self.default_root_dir, self.run_name = default_root_dir, run_name
         self.vectorize, self.max_chunk_clients, self.memory_budget_mb = (
             vectorize,
@@ -187,7 +201,10 @@ class FederatedTrainer:
         # loggers write) is only known after launch on multi-process runs: attach them now.
         self._callbacks = default_callbacks(self.user_callbacks, self.enable_progress_bar)
         self.fabric._callbacks = self._callbacks
-        self.fabric._loggers = run_loggers(self, run_dir, command) if self.fabric.is_global_zero else []
+        resume = command == "fit" and (run_dir / "cache" / "CURRENT").exists()
+        self.fabric._loggers = (
+            run_loggers(self, run_dir, command, resume) if self.fabric.is_global_zero else []
+        )
         with self.fabric.rank_zero_first():
             datamodule.prepare_data()
         datamodule.setup("fit")
@@ -251,10 +268,12 @@ class FederatedTrainer:
         try:
             self._setup(model, datamodule, run_dir, "fit")
             return run_fit(self, run_dir, resume, exclude_clients or [])
-        except BaseException:
+        except BaseException as e:
             # A run that failed before its first cache commit holds nothing worth keeping.
             if not resume and self.is_global_zero and not (run_dir / "cache" / "CURRENT").exists():
                 shutil.rmtree(run_dir, ignore_errors=True)
+            elif self.is_global_zero and not isinstance(e, FedShardError):
+                sys.stderr.write(f"{resume_hint(run_dir, self.config_yaml is not None)}\n")
             raise
 
     def _load_run(
@@ -263,6 +282,7 @@ class FederatedTrainer:
         run_dir = existing_run_dir(ckpt_path, command)
         self._setup(model, datamodule, run_dir, command)
         load_run(self, run_dir)
+        self.log_step_start = int(wandb_state(run_dir).get("step", 0))
 
     def test(
         self, model: FederatedModule, datamodule: FederatedDataModule, ckpt_path: str | None = None
