@@ -178,9 +178,10 @@ def run_fit(trainer: Any, run_dir: Path, resume: bool, exclude: list[int]) -> di
     finish_loggers(
         trainer.fabric.loggers, trainer.wandb, run_dir, trainer.log_step_start + len(trainer.history) + 1
     )
+    total = time.perf_counter() - t0  # with the callbacks' work at the end (replay, plots) and logging
     trainer._print(
         f"fit done: test_accuracy={acc:.4f} test_loss={loss:.4f} client_steps={metrics['client_steps']} "
-        f"seconds={seconds:.1f} -> {run_dir}"
+        f"seconds={seconds:.1f} (total {total:.1f} with callbacks and logging) -> {run_dir}"
     )
     return metrics
 
