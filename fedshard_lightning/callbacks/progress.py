@@ -110,11 +110,10 @@ class ProgressBar(FederatedCallback):
             return
         if self._progress is None:
             from rich.console import Console
-            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+            from rich.progress import Progress, TextColumn, TimeElapsedColumn
 
-            self._progress = Progress(
+            self._progress = Progress(  # no bar: "round r/T" is the bar, the line stays readable
                 TextColumn("{task.description}"),
-                BarColumn(),
                 TextColumn("{task.fields[status]}"),
                 TimeElapsedColumn(),
                 console=Console(stderr=True),
