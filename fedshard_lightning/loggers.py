@@ -19,6 +19,7 @@ import csv
 import json
 import os
 import secrets
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -160,6 +161,9 @@ def restore_csv_history(logger: Logger, rows: list[dict[str, str]]) -> tuple[int
     Rows after the last stage summary (``stage/...`` columns, logged once the stage's commit
     happened) belong to a stage the resumed fit trains again, so they are dropped, not repeated.
     """
+    with warnings.catch_warnings():  # "previous log files will be deleted": we write them back
+        warnings.filterwarnings("ignore", message="Experiment logs directory")
+        _ = logger.experiment
     ends = [
         int(float(r["step"]))
         for r in rows

@@ -146,7 +146,7 @@ def run_fit(trainer: Any, run_dir: Path, resume: bool, exclude: list[int]) -> di
             )
         resumed = alg.resumable(manifest)
         finished = resumed and bool(manifest.get("complete"))
-    if resumed and trainer.csv_history and trainer.fabric.loggers:
+    if resumed and trainer.fabric.loggers and trainer.is_global_zero:
         trainer.log_step_start, trainer._events.global_round = restore_csv_history(
             trainer.fabric.loggers[0], trainer.csv_history
         )
