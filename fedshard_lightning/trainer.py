@@ -324,7 +324,7 @@ class FederatedTrainer:
         Args:
             model: The model (same config as the run).
             datamodule: The federated data (same config as the run).
-            ckpt_path: Run directory created by fit.
+            ckpt_path: Run directory created by fit (the CLI reads its config.yaml first).
             clients: Client ids to unlearn, e.g. ``[3, 17]``.
         """
         self.enable_progress_bar = False
@@ -340,7 +340,7 @@ class FederatedTrainer:
         Args:
             model: The model (same config as the run).
             datamodule: The federated data (same config as the run).
-            ckpt_path: Run directory created by fit.
+            ckpt_path: Run directory created by fit (the CLI reads its config.yaml first).
             tolerance: Largest accepted max-abs difference (float32 training: about 1e-6; float64: 1e-10).
         """
         self.enable_progress_bar = False

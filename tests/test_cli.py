@@ -261,3 +261,15 @@ def test_seed_everything_true_draws_and_records_a_seed(capsys, run_root):
     assert len(seeds) > 1 or 0 not in seeds
     cli = FederatedCLI(args=["--seed_everything", "true"], run=False)
     assert f"seed_everything: {cli.trainer.seed}" in cli.trainer.config_yaml
+
+
+def test_interrupted_fit_prints_the_command_that_resumes_it(run_root, capsys):
+    args = ["fit", *TINY, "--trainer.callbacks", "_callbacks.InterruptOnceAtStage"]
+    code, out, err = _run([*args, "--trainer.default_root_dir", str(run_root)], capsys)
+    run = run_root / "version_0"
+    assert code == 130
+    command = f"python -m fedshard_lightning fit --ckpt_path {run}"
+    assert f"resume with: {command}" in err and err.rstrip().endswith("interrupted")
+    code, out, err = _run(command.split()[3:], capsys)  # exactly that command, nothing added
+    assert code == 0, err
+    assert "fit done:" in out and json.loads((run / "metrics.json").read_text())["resumed"] is True
