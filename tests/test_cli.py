@@ -273,3 +273,21 @@ def test_interrupted_fit_prints_the_command_that_resumes_it(run_root, capsys):
     code, out, err = _run(command.split()[3:], capsys)  # exactly that command, nothing added
     assert code == 0, err
     assert "fit done:" in out and json.loads((run / "metrics.json").read_text())["resumed"] is True
+
+
+def test_num_threads_is_applied_and_oversubscription_warned():
+    import torch
+
+    from fedshard_lightning.trainer import FederatedTrainer, oversubscription_warning
+
+    before = torch.get_num_threads()
+    trainer = FederatedTrainer(num_threads=1)
+    trainer._launch()
+    assert torch.get_num_threads() == 1
+    torch.set_num_threads(before)
+    assert oversubscription_warning(2, load=2.0, cores=2).startswith("warning: 2 CPU threads")
+    assert "--trainer.num_threads 1" in oversubscription_warning(2, load=2.0, cores=2)
+    assert oversubscription_warning(1, load=5.0, cores=2) is None
+    assert oversubscription_warning(2, load=0.0, cores=2) is None
+    with pytest.raises(Exception, match="num_threads"):
+        FederatedTrainer(num_threads=0)
