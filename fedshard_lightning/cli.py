@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import itertools
 import os
+import random
+import re
 import sys
+from pathlib import Path
 from typing import Any, NoReturn
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -33,15 +36,41 @@ def _one_line(message: str, limit: int = 600) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+_GENERIC = (
+    "Expected a",
+    "Problem with given class_path",
+    "Not a valid subclass",
+    "Subclass types expect",
+    "a class path",
+    "a dict ",
+)
+
+
 def _innermost_reason(message: str) -> str:
-    """The most specific line of a jsonargparse Union error (the class's own message)."""
+    """The most specific line of a jsonargparse Union error (the class's own message).
+
+    jsonargparse lists what every Union member expected; the real cause (a validation error, or
+    an import failure such as a missing optional package) is either a ``- `` line of its own or
+    the indented line under ``Problem with given class_path``. Generic lines are skipped.
+    """
+    lines = message.splitlines()
     reasons = [
         line.strip()[2:]
-        for line in message.splitlines()
-        if line.strip().startswith("- ")
-        and not line.strip()[2:].startswith(("Expected a", "Problem with given class_path"))
+        for line in lines
+        if line.strip().startswith("- ") and not line.strip()[2:].startswith(_GENERIC)
     ]
-    return reasons[-1] if reasons else message
+    if reasons:
+        return reasons[-1]
+    for line, after in itertools.pairwise(lines):
+        head = line.strip()
+        if (
+            head.startswith("- Problem with given class_path")
+            and after.strip()
+            and not after.strip().startswith("- ")
+        ):
+            where = head.removeprefix("- Problem with given class_path").strip().rstrip(":")
+            return f"{where}: {after.strip()}"
+    return message
 
 
 def _check_config_files(argv: list[str]) -> None:
@@ -62,8 +91,53 @@ def _check_config_files(argv: list[str]) -> None:
             raise ConfigError(f"--config {p}: expected a mapping of settings, got {type(data).__name__}")
 
 
+_RST_ROLE = re.compile(r":(?:class|meth|func|mod|attr|obj|data|exc):`~?([^`]+)`")
+
+
+def plain_text(text: str) -> str:
+    """Help text without reStructuredText markup (docstrings feed ``--help``; terminals show it raw).
+
+    ``:class:`~a.b.C``` becomes ``C``, double backquotes become nothing.
+    """
+    text = _RST_ROLE.sub(lambda m: m.group(1).rsplit(".", 1)[-1] if "~" in m.group(0) else m.group(1), text)
+    return text.replace("``", "")
+
+
+def _option(argv: list[str], name: str) -> str | None:
+    """The value of ``--name VALUE`` or ``--name=VALUE`` (the last one), else None."""
+    value = None
+    for a, b in itertools.pairwise([*argv, ""]):
+        if a == name:
+            value = b
+        elif a.startswith(name + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def with_run_config(argv: list[str]) -> list[str]:
+    """``test``/``unlearn``/``audit`` (and a resuming ``fit``) with ``--ckpt_path RUN`` read ``RUN/config.yaml``.
+
+    The run's resolved config goes first, so any ``--config`` or flag the user gives still
+    overrides it; a run without a config.yaml (Python API runs) is left as it is.
+    """
+    if not argv or argv[0] not in ("fit", "test", "unlearn", "audit"):
+        return argv
+    ckpt = _option(argv, "--ckpt_path")
+    if not ckpt:
+        return argv
+    run = Path(ckpt)
+    config = (run.parent if run.is_file() else run) / "config.yaml"
+    if not config.is_file():
+        return argv
+    return [argv[0], "--config", str(config), *argv[1:]]
+
+
 class _Parser(LightningArgumentParser):
-    """Prints parse errors as one line."""
+    """Prints parse errors as one line, and help without reStructuredText markup."""
+
+    def format_help(self) -> str:
+        """Help as plain text."""
+        return plain_text(super().format_help())
 
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         if not self.exit_on_error:
@@ -90,10 +164,27 @@ class FederatedCLI(LightningCLI):
             "parser_kwargs",
             {"prog": "python -m fedshard_lightning", "description": "FedShard federated (un)learning"},
         )
+        if not args and kwargs.get("args") is None:
+            argv = with_run_config(sys.argv[1:])
+            if argv != sys.argv[1:]:  # passing args= beside a command line makes Lightning warn
+                sys.argv[1:] = argv
+        elif isinstance(kwargs.get("args"), list):
+            kwargs["args"] = with_run_config([str(a) for a in kwargs["args"]])
         super().__init__(*args, **kwargs)
 
     def _parse_ckpt_path(self) -> None:
         """Do nothing: ckpt_path is a run directory or a .safetensors file, loaded by the trainer without pickle."""
+
+    def _set_seed(self) -> None:
+        """``seed_everything: true`` draws a fresh seed (recorded in config.yaml), then seeds as Lightning does.
+
+        Lightning's own draw reuses ``PL_GLOBAL_SEED`` from an earlier seeding in the process.
+        """
+        if self._get(self.config, "seed_everything") is True:
+            seed = random.SystemRandom().randrange(2**31)
+            (self.config[self.subcommand] if self.subcommand else self.config)["seed_everything"] = seed
+            sys.stderr.write(f"seed_everything: true -> drew seed {seed}\n")
+        super()._set_seed()
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
@@ -132,17 +223,26 @@ class FederatedCLI(LightningCLI):
         """Build the trainer from its config, with the seed of ``seed_everything``."""
         config = dict(self._get(self.config_init, "trainer", default={}))
         seed = self._get(self.config, "seed_everything")
-        config["seed"] = int(seed) if not isinstance(seed, bool) else 0
+        config["seed"] = 0 if seed is False or seed is None else int(seed)  # True was drawn by _set_seed
         trainer = self.trainer_class(**config, **kwargs)
         sub = self.subcommand
-        trainer.config_yaml = self._subcommand_parsers[sub].dump(self.config[sub])
+        if sub is None:  # run=False: the config was parsed without a subcommand
+            trainer.config_yaml = self.parser.dump(self.config)
+        else:
+            trainer.config_yaml = self._subcommand_parsers[sub].dump(self.config[sub])
         return trainer
 
 
 def main(args: list[str] | None = None) -> None:
     """Entry point; user errors become one line on stderr and exit status 2."""
+    argv = sys.argv[1:] if args is None else list(args)
+    if argv[:1] == ["runs"]:
+        from fedshard_lightning.runs import runs_main
+
+        runs_main(argv[1:])
+        return
     try:
-        _check_config_files(sys.argv[1:] if args is None else args)
+        _check_config_files(argv)
         FederatedCLI(args=args)
     except FedShardError as e:
         sys.stderr.write(f"error: {_one_line(str(e))}\n")

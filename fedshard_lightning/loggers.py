@@ -1,59 +1,191 @@
 """The loggers of a run: a CSV logger into the run directory, optionally W&B (offline by default).
 
+Runs are compared by their settings, so every logger receives the resolved settings as
+hyper-parameters (:func:`run_hparams`: method, dataset, K, rho, merge rate, lr, seed and every
+constructor argument of model, data and algorithm). A W&B run is named after its setting
+(``fedshard-digits-K32-rho0.5-s0``), grouped by ``wandb_group`` (default: the setting without
+method and seed), and its id is stored in ``RUN/wandb.json`` so that later ``unlearn``, ``audit``
+and ``test`` commands and a resumed ``fit`` log into the same W&B run. Offline runs live in
+``RUN/wandb_files/wandb/offline-run-*``; ``wandb sync RUN/wandb_files/wandb/offline-run-*``
+uploads them.
+
 Fabric never finalizes loggers, so :func:`finish_loggers` does (and closes the W&B run).
 """
 
 from __future__ import annotations
 
+import contextlib
+import csv
+import json
 import os
+import secrets
+import warnings
 from pathlib import Path
 from typing import Any
 
 from lightning.fabric.loggers import CSVLogger, Logger
 
-__all__ = ["finish_loggers", "run_loggers"]
+from fedshard_lightning.init_args import init_args
+
+__all__ = ["finish_loggers", "restore_csv_history", "run_hparams", "run_loggers", "run_name", "wandb_state"]
 
 
-def _wandb_logger(run_dir: Path, project: str, mode: str, algorithm: str, dataset: str) -> Logger:
+def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _flatten(f"{prefix}/{k}" if prefix else str(k), v, out)
+    elif isinstance(value, (list, tuple)):
+        out[prefix] = str(list(value))
+    else:
+        out[prefix] = value
+
+
+def run_hparams(trainer: Any) -> dict[str, Any]:
+    """The settings a run is compared by: headline keys first, then every constructor argument, flat."""
+    model = init_args(trainer.module)
+    data = init_args(trainer.datamodule)
+    alg = init_args(trainer.algorithm)
+    dargs, aargs, margs = data["init_args"], alg["init_args"], model["init_args"]
+    out: dict[str, Any] = {
+        "method": trainer.algorithm.name,
+        "dataset": dataset_name(trainer.datamodule),
+        "num_clients": dargs.get("num_clients", len(trainer.client_sizes)),
+        "partition": dargs.get("partition"),
+        "rho": dargs.get("rho"),
+        "merge_rate": aargs.get("merge_rate"),
+        "lr": margs.get("lr"),
+        "seed": trainer.seed,
+        "precision": trainer.precision,
+        "vectorize": trainer.vectorize,
+        "model": model["class_path"].rsplit(".", 1)[-1],
+    }
+    for name, entry in (("model", model), ("data", data), ("algorithm", alg)):
+        _flatten(name, entry["init_args"], out)
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def dataset_name(datamodule: Any) -> str:
+    """``DigitsDataModule`` -> ``digits``."""
+    return type(datamodule).__name__.removesuffix("DataModule").lower()
+
+
+def run_name(hparams: dict[str, Any]) -> str:
+    """``fedshard-digits-K32-rho0.5-s0``: the setting, readable in a W&B table."""
+    parts = [str(hparams["method"]), str(hparams["dataset"]), f"K{hparams['num_clients']}"]
+    if hparams.get("partition", "dirichlet") == "dirichlet" and hparams.get("rho") is not None:
+        parts.append(f"rho{hparams['rho']}")
+    return "-".join([*parts, f"s{hparams['seed']}"])
+
+
+def wandb_state(run_dir: Path) -> dict[str, Any]:
+    """``RUN/wandb.json``: the W&B run id (and the last logged step) of this run directory."""
+    try:
+        data = json.loads((run_dir / "wandb.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _wandb_logger(run_dir: Path, trainer: Any, hparams: dict[str, Any]) -> Logger:
     from lightning.pytorch.loggers import WandbLogger
 
     wdir = run_dir / "wandb_files"
     wdir.mkdir(exist_ok=True)
     for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_CONFIG_DIR"):
         os.environ.setdefault(var, str(wdir))
-    os.environ.setdefault("WANDB_MODE", mode)
+    os.environ.setdefault("WANDB_MODE", trainer.wandb_mode)
     os.environ.setdefault("WANDB_SILENT", "true")
+    state = wandb_state(run_dir)
+    if not state.get("id"):
+        name = run_name(hparams)
+        state = {
+            "id": secrets.token_hex(4),  # W&B run ids are short [a-z0-9] strings
+            "name": name,
+            "project": trainer.wandb_project,
+            "group": trainer.wandb_group or name.rsplit("-s", 1)[0].split("-", 1)[1],
+            "step": 0,
+        }
+        (run_dir / "wandb.json").write_text(json.dumps(state, indent=2) + "\n")
     return WandbLogger(
-        project=project,
-        name=f"{algorithm}-{dataset}-{run_dir.name}",
-        group=f"{dataset}",
-        job_type=algorithm,
+        project=state.get("project", trainer.wandb_project),
+        name=state["name"],
+        id=state["id"],
+        resume="allow",
+        group=state["group"],
+        job_type=hparams["method"],
         save_dir=str(wdir),
-        offline=mode == "offline",
-        tags=[algorithm, dataset],
+        offline=trainer.wandb_mode == "offline",
+        tags=[str(hparams["method"]), str(hparams["dataset"])],
     )
 
 
-def run_loggers(trainer: Any, run_dir: Path, command: str) -> list[Logger]:
-    """CSV into ``run_dir/logs`` (``fit`` first, later commands in ``logs/<command>-N``), W&B when asked, the user's."""
+def run_loggers(trainer: Any, run_dir: Path, command: str, resume: bool = False) -> list[Logger]:
+    """CSV into ``run_dir/logs``, W&B when asked, the user's; each gets the run's hyper-parameters.
+
+    ``fit`` writes ``logs/metrics.csv`` (a resumed fit appends to it, so the curves of the stages
+    before an interruption stay); later commands write ``logs/<command>-N/metrics.csv``. The CSV
+    is flushed every logged row (one per round, never per step), so a killed run keeps its curves.
+    """
     logs = run_dir / "logs"
+    trainer.csv_history = _read_csv(logs / "metrics.csv") if command == "fit" and resume else []
     version = ""
-    if (logs / "metrics.csv").exists() or command != "fit":
+    if command != "fit" or ((logs / "metrics.csv").exists() and not resume):
         n = 1
         while (logs / f"{command}-{n}").exists():
             n += 1
         version = f"{command}-{n}"
-    loggers: list[Logger] = [CSVLogger(root_dir=str(run_dir), name="logs", version=version)]
+    loggers: list[Logger] = [
+        CSVLogger(root_dir=str(run_dir), name="logs", version=version, flush_logs_every_n_steps=1)
+    ]
+    hparams = run_hparams(trainer)
     if trainer.wandb:
-        dataset = type(trainer.datamodule).__name__.removesuffix("DataModule").lower()
-        loggers.append(
-            _wandb_logger(run_dir, trainer.wandb_project, trainer.wandb_mode, trainer.algorithm.name, dataset)
-        )
-    return loggers + trainer.user_loggers
+        loggers.append(_wandb_logger(run_dir, trainer, hparams))
+    loggers += trainer.user_loggers
+    for logger in loggers:
+        with contextlib.suppress(NotImplementedError):  # Fabric's CSVLogger: config.yaml holds them
+            logger.log_hyperparams(hparams)
+    return loggers
 
 
-def finish_loggers(loggers: list[Logger], wandb: bool) -> None:
-    """Finalize every logger; finish the W&B run."""
+def _read_csv(path: Path) -> list[dict[str, str]]:
+    try:
+        with open(path, newline="") as f:
+            return list(csv.DictReader(f))
+    except OSError:
+        return []
+
+
+def restore_csv_history(logger: Logger, rows: list[dict[str, str]]) -> tuple[int, int]:
+    """Write back the rows of the stages an interrupted fit committed; (next step, rounds kept).
+
+    Rows after the last stage summary (``stage/...`` columns, logged once the stage's commit
+    happened) belong to a stage the resumed fit trains again, so they are dropped, not repeated.
+    """
+    with warnings.catch_warnings():  # "previous log files will be deleted": we write them back
+        warnings.filterwarnings("ignore", message="Experiment logs directory")
+        _ = logger.experiment
+    ends = [
+        int(float(r["step"]))
+        for r in rows
+        if any(v not in ("", None) for k, v in r.items() if k.startswith("stage/"))
+    ]
+    if not ends:
+        return 0, 0
+    last = max(ends)
+    kept = [r for r in rows if r.get("step") not in ("", None) and int(float(r["step"])) <= last]
+    rounds = 0
+    for r in kept:
+        values = {k: float(v) for k, v in r.items() if k != "step" and v not in ("", None)}
+        rounds += "round" in values
+        logger.log_metrics(values, step=int(float(r["step"])))
+    logger.save()
+    return last + 1, rounds
+
+
+def finish_loggers(
+    loggers: list[Logger], wandb: bool, run_dir: Path | None = None, step: int | None = None
+) -> None:
+    """Finalize every logger; finish the W&B run and remember its last step in ``RUN/wandb.json``."""
     for logger in loggers:
         logger.finalize("success")
     if wandb:
@@ -61,3 +193,7 @@ def finish_loggers(loggers: list[Logger], wandb: bool) -> None:
 
         if wandb_module.run is not None:
             wandb_module.finish()
+        if run_dir is not None and step is not None and (run_dir / "wandb.json").is_file():
+            state = wandb_state(run_dir)
+            state["step"] = max(int(state.get("step", 0)), step)
+            (run_dir / "wandb.json").write_text(json.dumps(state, indent=2) + "\n")

@@ -24,7 +24,7 @@ from fedshard_lightning.cache import atomic_write_bytes, atomic_write_json
 from fedshard_lightning.engine import FederatedEngine, Group, LocalSchedule, RoundInfo
 from fedshard_lightning.engine.allocator import configure_process
 from fedshard_lightning.errors import CacheError, ConfigError
-from fedshard_lightning.loggers import finish_loggers
+from fedshard_lightning.loggers import finish_loggers, restore_csv_history
 from fedshard_lightning.run_dir import Journal, model_is_stale, recover_reports
 from fedshard_lightning.unlearning.context import AlgorithmContext, LoopEvents
 
@@ -149,6 +149,10 @@ def run_fit(trainer: Any, run_dir: Path, resume: bool, exclude: list[int]) -> di
             )
         resumed = alg.resumable(manifest)
         finished = resumed and bool(manifest.get("complete"))
+    if resumed and trainer.fabric.loggers and trainer.is_global_zero:
+        trainer.log_step_start, trainer._events.global_round = restore_csv_history(
+            trainer.fabric.loggers[0], trainer.csv_history
+        )
     if not resumed:
         alg.reset(alg.engine.module_params(), exclude=exclude)
         trainer.store.requests, trainer.store.complete_committed = [], False
@@ -175,10 +179,13 @@ def run_fit(trainer: Any, run_dir: Path, resume: bool, exclude: list[int]) -> di
         for name, text in alg.run_files().items():
             (run_dir / name).write_text(text)
     trainer.fabric.call("on_fit_end", trainer, metrics=metrics)
-    finish_loggers(trainer.fabric.loggers, trainer.wandb)
+    finish_loggers(
+        trainer.fabric.loggers, trainer.wandb, run_dir, trainer.log_step_start + len(trainer.history) + 1
+    )
+    total = time.perf_counter() - t0  # with the callbacks' work at the end (replay, plots) and logging
     trainer._print(
         f"fit done: test_accuracy={acc:.4f} test_loss={loss:.4f} client_steps={metrics['client_steps']} "
-        f"seconds={seconds:.1f} -> {run_dir}"
+        f"seconds={seconds:.1f} (total {total:.1f} with callbacks and logging) -> {run_dir}"
     )
     return metrics
 

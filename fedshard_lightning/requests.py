@@ -7,17 +7,20 @@ algorithm's pure :meth:`~fedshard_lightning.unlearning.base.Algorithm.what_if`, 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 from fedshard_lightning.cache import atomic_write_json
+from fedshard_lightning.callbacks.progress import format_seconds
 from fedshard_lightning.errors import UnlearningRequestError
 from fedshard_lightning.loggers import finish_loggers
 from fedshard_lightning.run_dir import Journal
 from fedshard_lightning.unlearning.base import UnlearnResult
 
-__all__ = ["apply_request", "check_request", "request_report", "validate_clients"]
+__all__ = ["apply_request", "check_request", "request_report", "request_start_line", "validate_clients"]
 
 
 def validate_clients(clients: Any, num_clients: int) -> list[int]:
@@ -103,6 +106,17 @@ def request_report(
     }
 
 
+def request_start_line(run_dir: Path, number: int, ids: list[int], predicted: int, retrain: int) -> str:
+    """The line printed before a request runs: its predicted cost and an ETA at the fit's measured speed."""
+    line = f"unlearn: request {number:04d}, clients {ids}: {predicted} client-steps predicted (retraining: {retrain})"
+    try:
+        fit = json.loads((run_dir / "metrics.json").read_text())
+        rate = float(fit["client_steps"]) / float(fit["seconds"])
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        return line
+    return f"{line} · ETA ~{format_seconds(predicted / rate)} at the fit's {rate:.0f} client-steps/s"
+
+
 def apply_request(trainer: Any, clients: Any) -> dict[str, Any]:
     """One request on a loaded run (the caller holds the run lock): check, journal, unlearn, commit, report.
 
@@ -122,6 +136,7 @@ def apply_request(trainer: Any, clients: Any) -> dict[str, Any]:
     trainer.fabric.call("on_unlearn_start", trainer, clients=ids)
     before = trainer.evaluate(alg.current_params())
     predicted, retrain = alg.predict_cost(ids), alg.retrain_cost(ids)
+    trainer._print(request_start_line(trainer.run_dir, number, ids, predicted, retrain))
     state, result = alg.what_if(alg.state_dict(), ids)
     alg.load_state_dict(state)
     report = request_report(
@@ -144,7 +159,7 @@ def apply_request(trainer: Any, clients: Any) -> dict[str, Any]:
             }
         )
     trainer.fabric.call("on_unlearn_end", trainer, report=report)
-    finish_loggers(trainer.fabric.loggers, trainer.wandb)
+    finish_loggers(trainer.fabric.loggers, trainer.wandb, trainer.run_dir, trainer.log_step_start + 1)
     trainer._print(
         f"unlearn: clients {ids} removed with {report['client_steps']} client-steps "
         f"(retraining: {report['retrain_client_steps']}, {report['speedup_client_steps']:.2f}x), "

@@ -12,7 +12,9 @@ it never sees the trainer.
 
 from __future__ import annotations
 
+import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any, Literal
 
@@ -25,9 +27,9 @@ from fedshard_lightning.cache import FLCache, atomic_save_tensors, load_tensors
 from fedshard_lightning.callbacks import FederatedCallback, default_callbacks
 from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.engine import evaluate
-from fedshard_lightning.errors import CacheError, ConfigError
+from fedshard_lightning.errors import CacheError, ConfigError, FedShardError
 from fedshard_lightning.fingerprint import fingerprint
-from fedshard_lightning.loggers import run_loggers
+from fedshard_lightning.loggers import run_loggers, wandb_state
 from fedshard_lightning.loop import TrainerEvents, launch_fabric, load_run, run_fit
 from fedshard_lightning.module import FederatedModule
 from fedshard_lightning.requests import apply_request
@@ -42,6 +44,33 @@ from fedshard_lightning.unlearning.base import Algorithm
 __all__ = ["FederatedTrainer"]
 
 
+def resume_hint(run_dir: Path, cli: bool) -> str:
+    """The exact command that resumes an interrupted fit (the run's config.yaml is read by the CLI)."""
+    if cli:
+        return f"resume with: python -m fedshard_lightning fit --ckpt_path {run_dir}"
+    return f"resume with: FederatedTrainer(...same settings...).fit(model, datamodule, ckpt_path={str(run_dir)!r})"
+
+
+def oversubscription_warning(threads: int, load: float | None = None, cores: int | None = None) -> str | None:
+    """One line when this run's threads plus the machine's load exceed its cores, else None.
+
+    OpenMP threads that wait for busy cores spin: two threads under contention ran a CIFAR round
+    6x slower than one thread (141 s against 22.7 s), so the user should hear about it.
+    """
+    cores = cores or os.cpu_count() or 1
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except (AttributeError, OSError):
+            return None
+    if threads <= 1 or load + threads <= cores + 0.5:
+        return None
+    return (
+        f"warning: {threads} CPU threads on {cores} cores already loaded {load:.1f}: oversubscribed, "
+        "which can be several times slower; try --trainer.num_threads 1"
+    )
+
+
 def _as_list(value: Any) -> list[Any]:
     return [] if value is None else (list(value) if isinstance(value, (list, tuple)) else [value])
 
@@ -54,13 +83,16 @@ class FederatedTrainer:
         accelerator: Fabric accelerator (``cpu``, ``cuda``, ``auto``).
         devices: Fabric devices.
         strategy: Fabric strategy.
-        precision: Fabric precision, e.g. ``32-true`` or ``64-true`` (float64, for exactness checks).
+        precision: Fabric precision, e.g. ``32-true`` or ``64-true`` (float64, for exactness checks);
+            ``*-mixed`` is refused (the engine does not autocast).
         callbacks: Extra federated callbacks; progress and metrics logging are always included
             (FLCache commits are the trainer's own, not a callback).
         loggers: Extra Fabric loggers; a CSV logger into the run directory is always included.
         wandb: Also log to Weights & Biases, offline unless ``wandb_mode`` says otherwise.
         wandb_project: W&B project name.
         wandb_mode: ``offline`` (default, no account or network needed) or ``online``.
+        wandb_group: W&B group of the run (default: the setting without method and seed, e.g.
+            ``digits-K32-rho0.5``); give one experiment's runs the same group to compare them.
         default_root_dir: Folder that receives one sub-folder per run.
         run_name: Name of the run folder (default ``version_N``); never overwritten.
         vectorize: ``auto`` (time both once, keep the faster), ``always`` (stacked clients) or
@@ -69,13 +101,14 @@ class FederatedTrainer:
         memory_budget_mb: Memory the stacked clients of a chunk may use (estimate).
         eval_every_n_rounds: Test-set evaluation period in rounds (0: only at the end).
         enable_progress_bar: Show a progress bar on terminals.
+        num_threads: Intra-op CPU threads of this process (``None``: torch's default). Recorded
+            in config.yaml and, with the device and torch version, in ``RUN/numerics.json``;
+            unlearn and audit reuse fit's count (docs/unlearning.md).
         seed: Training seed (the CLI fills it from ``seed_everything``).
         batch_invariant: Give every client the same float32 bits whoever shares its computation,
             so unlearning audits bit-exact (default; costs up to 2.2x on launch-bound GPU MLPs,
             docs/gpu.md). False lets stacked calls shrink as clients finish.
         compile: ``torch.compile`` the stacked step (exact against eager; no speed-up measured).
-        num_threads: torch intra-op threads for this run (recorded in ``numerics.json``; unlearn
-            and audit reuse fit's count).
     """
 
     def __init__(
@@ -90,6 +123,7 @@ class FederatedTrainer:
         wandb: bool = False,
         wandb_project: str = "fedshard-lightning",
         wandb_mode: Literal["offline", "online"] = "offline",
+        wandb_group: str | None = None,
         default_root_dir: str = "runs",
         run_name: str | None = None,
         vectorize: Literal["auto", "always", "never"] = "auto",
@@ -97,10 +131,10 @@ class FederatedTrainer:
         memory_budget_mb: float = 2048.0,
         eval_every_n_rounds: int = 1,
         enable_progress_bar: bool = True,
+        num_threads: int | None = None,
         seed: int = 0,
         batch_invariant: bool = True,
         compile: bool = False,
-        num_threads: int | None = None,
     ) -> None:
         if algorithm is None:
             from fedshard_lightning.unlearning import default_algorithm
@@ -110,6 +144,12 @@ class FederatedTrainer:
             raise ConfigError(f"trainer.algorithm: expected an Algorithm, got {type(algorithm).__name__}")
         if vectorize not in ("auto", "always", "never"):
             raise ConfigError(f"trainer.vectorize={vectorize!r}: choose auto, always or never")
+        if "mixed" in str(precision):
+            raise ConfigError(
+                f"trainer.precision={precision!r}: mixed precision is not supported (the engine trains "
+                "in the parameters' own dtype, so autocast would change nothing); use 32-true or 64-true "
+                "(float64)"
+            )
         if eval_every_n_rounds < 0:
             raise ConfigError(f"trainer.eval_every_n_rounds={eval_every_n_rounds}: must be >= 0")
         if isinstance(memory_budget_mb, bool) or not 0 < memory_budget_mb < float("inf"):
@@ -118,8 +158,6 @@ class FederatedTrainer:
             )
         if max_chunk_clients is not None and (isinstance(max_chunk_clients, bool) or max_chunk_clients < 1):
             raise ConfigError(f"trainer.max_chunk_clients={max_chunk_clients!r}: must be >= 1 or null")
-        if num_threads is not None and (isinstance(num_threads, bool) or num_threads < 1):
-            raise ConfigError(f"trainer.num_threads={num_threads!r}: must be a positive integer or null")
         self.algorithm = algorithm
         self.accelerator, self.devices, self.strategy, self.precision = (
             accelerator,
@@ -130,6 +168,9 @@ class FederatedTrainer:
         self.user_callbacks = _as_list(callbacks)
         self.user_loggers = _as_list(loggers)
         self.wandb, self.wandb_project, self.wandb_mode = wandb, wandb_project, wandb_mode
+        self.wandb_group = wandb_group
+        self.csv_history: list[dict[str, str]] = []
+        self.log_step_start = 0
         self.default_root_dir, self.run_name = default_root_dir, run_name
         self.vectorize, self.max_chunk_clients, self.memory_budget_mb = (
             vectorize,
@@ -137,12 +178,13 @@ class FederatedTrainer:
             memory_budget_mb,
         )
         self.eval_every_n_rounds, self.enable_progress_bar = eval_every_n_rounds, enable_progress_bar
+        if num_threads is not None and (isinstance(num_threads, bool) or num_threads < 1):
+            raise ConfigError(
+                f"trainer.num_threads={num_threads}: must be >= 1 (or null for torch's default)"
+            )
+        self.num_threads = num_threads
         self.seed = int(seed)
-        self.batch_invariant, self.compile, self.num_threads = (
-            bool(batch_invariant),
-            bool(compile),
-            num_threads,
-        )
+        self.batch_invariant, self.compile = bool(batch_invariant), bool(compile)
         self.numerics_notes: list[str] = []
         self.config_yaml: str | None = None
         self.fabric: L.Fabric | None = None
@@ -185,9 +227,13 @@ class FederatedTrainer:
         """Create and launch Fabric once (with ``strategy: ddp`` this starts the other processes)."""
         if self.fabric is not None:
             return
+        self.fabric = launch_fabric(self.accelerator, self.devices, self.strategy, self.precision)
         if self.num_threads is not None:
             torch.set_num_threads(self.num_threads)
-        self.fabric = launch_fabric(self.accelerator, self.devices, self.strategy, self.precision)
+        if self.fabric.is_global_zero and self.fabric.device.type == "cpu":
+            warning = oversubscription_warning(torch.get_num_threads() * self.fabric.world_size)
+            if warning:
+                sys.stderr.write(warning + "\n")
 
     def _setup(
         self, model: FederatedModule, datamodule: FederatedDataModule, run_dir: Path, command: str
@@ -205,7 +251,10 @@ class FederatedTrainer:
         # loggers write) is only known after launch on multi-process runs: attach them now.
         self._callbacks = default_callbacks(self.user_callbacks, self.enable_progress_bar)
         self.fabric._callbacks = self._callbacks
-        self.fabric._loggers = run_loggers(self, run_dir, command) if self.fabric.is_global_zero else []
+        resume = command == "fit" and (run_dir / "cache" / "CURRENT").exists()
+        self.fabric._loggers = (
+            run_loggers(self, run_dir, command, resume) if self.fabric.is_global_zero else []
+        )
         with self.fabric.rank_zero_first():
             datamodule.prepare_data()
         datamodule.setup("fit")
@@ -269,10 +318,12 @@ class FederatedTrainer:
         try:
             self._setup(model, datamodule, run_dir, "fit")
             return run_fit(self, run_dir, resume, exclude_clients or [])
-        except BaseException:
+        except BaseException as e:
             # A run that failed before its first cache commit holds nothing worth keeping.
             if not resume and self.is_global_zero and not (run_dir / "cache" / "CURRENT").exists():
                 shutil.rmtree(run_dir, ignore_errors=True)
+            elif self.is_global_zero and not isinstance(e, FedShardError):
+                sys.stderr.write(f"{resume_hint(run_dir, self.config_yaml is not None)}\n")
             raise
 
     def _load_run(
@@ -281,6 +332,7 @@ class FederatedTrainer:
         run_dir = existing_run_dir(ckpt_path, command)
         self._setup(model, datamodule, run_dir, command)
         load_run(self, run_dir)
+        self.log_step_start = int(wandb_state(run_dir).get("step", 0))
 
     def test(
         self, model: FederatedModule, datamodule: FederatedDataModule, ckpt_path: str | None = None
@@ -331,7 +383,7 @@ class FederatedTrainer:
         Args:
             model: The model (same config as the run).
             datamodule: The federated data (same config as the run).
-            ckpt_path: Run directory created by fit.
+            ckpt_path: Run directory created by fit (the CLI reads its config.yaml first).
             clients: Client ids to unlearn, e.g. ``[3, 17]``.
         """
         self.enable_progress_bar = False
@@ -347,7 +399,7 @@ class FederatedTrainer:
         Args:
             model: The model (same config as the run).
             datamodule: The federated data (same config as the run).
-            ckpt_path: Run directory created by fit.
+            ckpt_path: Run directory created by fit (the CLI reads its config.yaml first).
             tolerance: Largest accepted max-abs difference; 0 (bit-exact) by default, since the
                 engine is batch-invariant (docs/unlearning.md).
         """

@@ -136,3 +136,160 @@ def test_one_line_errors(args, needle, capsys, run_root):
     assert len(lines) == 1, err
     assert lines[0].startswith("error: ") and needle in lines[0]
     assert "Traceback" not in err
+
+
+def test_ckpt_path_alone_loads_the_run_config(run_root, capsys):
+    """unlearn/audit/test with --ckpt_path RUN read RUN/config.yaml; a flag still overrides it."""
+    code, _, err = _run(
+        ["fit", *TINY, "--data.rho", "0.3", "--trainer.default_root_dir", str(run_root)], capsys
+    )
+    assert code == 0, err
+    run = run_root / "version_0"
+    code, out, err = _run(["test", "--ckpt_path", str(run)], capsys)
+    assert code == 0, err
+    assert "test_accuracy=" in out
+    code, out, err = _run(["unlearn", "--ckpt_path", str(run), "--clients", "[2]"], capsys)
+    assert code == 0, err
+    assert json.loads((run / "unlearn_report.json").read_text())["clients"] == [2]
+    code, out, err = _run(["audit", "--ckpt_path", str(run)], capsys)
+    assert code == 0, err
+    assert "audit PASSED" in out
+    # A flag after the run's config overrides it: another partition is refused by the fingerprint.
+    code, _, err = _run(["audit", "--ckpt_path", str(run), "--data.num_clients", "9"], capsys)
+    assert code == 2, err
+
+
+def test_with_run_config_inserts_the_run_config_first(tmp_path):
+    from fedshard_lightning.cli import with_run_config
+
+    (tmp_path / "config.yaml").write_text("seed_everything: 0\n")
+    args = ["unlearn", "--ckpt_path", str(tmp_path), "--clients", "[1]"]
+    assert with_run_config(args) == ["unlearn", "--config", str(tmp_path / "config.yaml"), *args[1:]]
+    assert with_run_config(["fit", "--data.rho", "1"]) == ["fit", "--data.rho", "1"]
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"")
+    assert with_run_config(["test", f"--ckpt_path={weights}"])[1:3] == [
+        "--config",
+        str(tmp_path / "config.yaml"),
+    ]
+    assert with_run_config(["audit", "--ckpt_path", str(tmp_path / "none")]) == [
+        "audit",
+        "--ckpt_path",
+        str(tmp_path / "none"),
+    ]
+
+
+def test_cli_without_running_loads_a_config():
+    """Lightning's way to load a config in Python: FederatedCLI(args=[...], run=False)."""
+    from fedshard_lightning.cli import FederatedCLI
+
+    cli = FederatedCLI(args=["--config", str(ROOT / "configs" / "digits.yaml")], run=False)
+    assert cli.trainer.algorithm._init_args["local_epochs"] == 2
+    assert "local_epochs: 2" in cli.trainer.config_yaml
+
+
+def test_readme_python_api_matches_digits_config():
+    """The README's Python snippet builds the objects of configs/digits.yaml."""
+    from fedshard_lightning.cli import FederatedCLI
+
+    text = (ROOT / "README.md").read_text()
+    block = text.split("```python\n", 1)[1].split("```", 1)[0]
+    namespace: dict = {}
+    exec(block.split("trainer = ", 1)[0], namespace)  # definitions only, nothing trains
+    cli = FederatedCLI(args=["--config", str(ROOT / "configs" / "digits.yaml")], run=False)
+    config = yaml.safe_load((ROOT / "configs" / "digits.yaml").read_text())
+    pairs = [
+        (namespace["algorithm"](), config["trainer"]["algorithm"]),
+        (namespace["model"], config["model"]),
+        (namespace["data"], config["data"]),
+    ]
+    for obj, entry in pairs:
+        assert type(obj).__name__ == entry["class_path"].rsplit(".", 1)[-1]
+        for key, value in entry["init_args"].items():
+            assert obj._init_args[key] == value, (type(obj).__name__, key)
+    assert cli.trainer.algorithm._init_args == namespace["algorithm"]()._init_args
+
+
+def test_help_is_plain_text(capsys):
+    code, out, _ = _run(["fit", "--help"], capsys)
+    assert code == 0
+    assert "``" not in out and ":class:" not in out and ":meth:" not in out
+    assert "--ckpt_path RUN_DIR" in out
+
+
+def test_plain_text_removes_rst_roles():
+    from fedshard_lightning.cli import plain_text
+
+    assert plain_text("see :class:`~a.b.FederatedTrainer` and ``x``") == "see FederatedTrainer and x"
+    assert plain_text(":meth:`a.b`") == "a.b"
+
+
+def test_missing_optional_logger_names_the_real_cause(capsys, run_root):
+    try:
+        import tensorboard  # noqa: F401
+
+        pytest.skip("tensorboard is installed")
+    except ImportError:
+        pass
+    code, _, err = _run(
+        [
+            "fit",
+            "--trainer.loggers",
+            "lightning.fabric.loggers.TensorBoardLogger",
+            "--trainer.loggers.root_dir",
+            str(run_root),
+            "--trainer.default_root_dir",
+            str(run_root),
+        ],
+        capsys,
+    )
+    assert code == 2
+    assert "tensorboard" in err and "dict with parameters" not in err, err
+
+
+def test_mixed_precision_is_refused_in_one_line(capsys, run_root):
+    code, _, err = _run(
+        ["fit", "--trainer.precision", "16-mixed", "--trainer.default_root_dir", str(run_root)], capsys
+    )
+    assert code == 2
+    lines = [x for x in err.splitlines() if x.strip() and not x.startswith("Seed set")]
+    assert len(lines) == 1 and "trainer.precision='16-mixed'" in lines[0], err
+
+
+def test_seed_everything_true_draws_and_records_a_seed(capsys, run_root):
+    from fedshard_lightning.cli import FederatedCLI
+
+    seeds = {FederatedCLI(args=["--seed_everything", "true"], run=False).trainer.seed for _ in range(3)}
+    assert len(seeds) > 1 or 0 not in seeds
+    cli = FederatedCLI(args=["--seed_everything", "true"], run=False)
+    assert f"seed_everything: {cli.trainer.seed}" in cli.trainer.config_yaml
+
+
+def test_interrupted_fit_prints_the_command_that_resumes_it(run_root, capsys):
+    args = ["fit", *TINY, "--trainer.callbacks", "_callbacks.InterruptOnceAtStage"]
+    code, out, err = _run([*args, "--trainer.default_root_dir", str(run_root)], capsys)
+    run = run_root / "version_0"
+    assert code == 130
+    command = f"python -m fedshard_lightning fit --ckpt_path {run}"
+    assert f"resume with: {command}" in err and err.rstrip().endswith("interrupted")
+    code, out, err = _run(command.split()[3:], capsys)  # exactly that command, nothing added
+    assert code == 0, err
+    assert "fit done:" in out and json.loads((run / "metrics.json").read_text())["resumed"] is True
+
+
+def test_num_threads_is_applied_and_oversubscription_warned():
+    import torch
+
+    from fedshard_lightning.trainer import FederatedTrainer, oversubscription_warning
+
+    before = torch.get_num_threads()
+    trainer = FederatedTrainer(num_threads=1)
+    trainer._launch()
+    assert torch.get_num_threads() == 1
+    torch.set_num_threads(before)
+    assert oversubscription_warning(2, load=2.0, cores=2).startswith("warning: 2 CPU threads")
+    assert "--trainer.num_threads 1" in oversubscription_warning(2, load=2.0, cores=2)
+    assert oversubscription_warning(1, load=5.0, cores=2) is None
+    assert oversubscription_warning(2, load=0.0, cores=2) is None
+    with pytest.raises(Exception, match="num_threads"):
+        FederatedTrainer(num_threads=0)

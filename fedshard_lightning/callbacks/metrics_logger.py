@@ -1,4 +1,9 @@
-"""Sends per-round and per-stage metrics to the Fabric loggers (CSV, W&B, ...)."""
+"""Sends per-round, per-stage and per-request metrics to the Fabric loggers (CSV, W&B, ...).
+
+The global step runs through all stages and continues after a resumed fit (the trainer's
+``log_step_start``), so one run's curves line up in every logger; an unlearning request is one row
+after the run's last step, prefixed ``unlearn/``.
+"""
 
 from __future__ import annotations
 
@@ -16,8 +21,8 @@ class MetricsLogger(FederatedCallback):
         self.step = 0
 
     def on_fit_start(self, trainer: Any) -> None:
-        """Restart the global round counter."""
-        self.step = 0
+        """Start the global round counter (after the rounds a resumed fit kept)."""
+        self.step = int(getattr(trainer, "log_step_start", 0))
 
     def on_round_end(self, trainer: Any, info: Any, metrics: dict[str, float]) -> None:
         """One logger row per round."""
@@ -28,10 +33,21 @@ class MetricsLogger(FederatedCallback):
 
     def on_stage_end(self, trainer: Any, stage: int, metrics: dict[str, float]) -> None:
         """Stage summary, prefixed ``stage/``."""
-        trainer.fabric.log_dict({f"stage/{k}": v for k, v in metrics.items()}, step=max(self.step - 1, 0))
+        row = {f"stage/{k}": v for k, v in metrics.items()}
+        row["stage/stage"] = float(stage)  # marks a committed stage (a resumed fit keeps rows up to it)
+        trainer.fabric.log_dict(row, step=max(self.step - 1, 0))
 
     def on_fit_end(self, trainer: Any, metrics: dict[str, float]) -> None:
         """Final metrics, prefixed ``final/``."""
         trainer.fabric.log_dict(
             {f"final/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}, step=self.step
         )
+
+    def on_unlearn_end(self, trainer: Any, report: dict[str, Any]) -> None:
+        """The request's costs and accuracies, prefixed ``unlearn/``, one step after the run's last."""
+        row = {f"unlearn/{k}": float(v) for k, v in report.items() if isinstance(v, (int, float))}
+        row["unlearn/num_clients_removed"] = float(len(report.get("clients", [])))
+        for key in ("retrained_shards",):
+            if isinstance(report.get(key), (list, tuple)):
+                row[f"unlearn/{key}_count"] = float(len(report[key]))
+        trainer.fabric.log_dict(row, step=int(getattr(trainer, "log_step_start", 0)))

@@ -1,70 +1,156 @@
-"""A rich progress bar that shows stage, round and clients."""
+"""Progress of a fit: ``stage k/P · round r/T · clients · client-steps/s · ETA``.
+
+A long run must be watchable wherever it runs. On a terminal a rich live line is updated once
+per round; when stderr is not a terminal (SLURM, nohup, CI, a pipe) one plain line is printed per
+stage instead, so a log file shows how far the run got and how long it still needs. All work
+happens per round or per stage, never per local step.
+
+The ETA assumes the remaining stages cost what the finished ones did on average (FedShard's
+stages train every client for a similar number of rounds); before the first stage ends it
+projects the current stage from its rounds so far.
+"""
 
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any
-
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from fedshard_lightning.callbacks.base import FederatedCallback
 
-__all__ = ["ProgressBar"]
+__all__ = ["ProgressBar", "format_seconds"]
+
+
+def format_seconds(seconds: float) -> str:
+    """``42s``, ``3m05s``, ``2h07m``: short enough for a progress line."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 class ProgressBar(FederatedCallback):
-    """Progress over rounds of the current stage; silent when stderr is not a terminal.
+    """Live progress on terminals, one log line per stage elsewhere.
 
     Args:
-        force: Show the bar even when stderr is not a terminal.
+        force: Show the live display even when stderr is not a terminal.
+        plain: Print the plain per-stage lines even on a terminal (for logs of interactive runs).
     """
 
-    def __init__(self, force: bool = False) -> None:
-        self.force = force
-        self._progress: Progress | None = None
+    def __init__(self, force: bool = False, plain: bool = False) -> None:
+        self.force, self.plain = force, plain
+        self._progress: Any = None
         self._task: Any = None
+        self._t0 = 0.0
+        self._stage_t0 = 0.0
+        self._stages_done = 0
+        self._stage = 0
+        self._planned: int | None = None
+        self._rounds = 0
+        self._round = 0
+        self._groups = 0
+        self._clients = 0
+        self._steps = 0.0
+        self._steps_at_stage = 0.0
 
-    def _enabled(self, trainer: Any) -> bool:
-        return (self.force or sys.stderr.isatty()) and trainer.is_global_zero
+    # -- state -----------------------------------------------------------------------------------
+    def _live(self) -> bool:
+        return self.force or sys.stderr.isatty()
+
+    def _stage_label(self) -> str:
+        return f"stage {self._stage}/{self._planned}" if self._planned else f"stage {self._stage}"
+
+    def _rate(self) -> float:
+        elapsed = time.perf_counter() - self._t0
+        return self._steps / elapsed if elapsed > 0 else 0.0
+
+    def eta(self) -> float | None:
+        """Seconds the fit still needs (estimate), or None when nothing is known yet."""
+        now = time.perf_counter()
+        in_stage = now - self._stage_t0
+        stage_left = 0.0
+        if 0 < self._round < self._rounds:
+            stage_left = in_stage / self._round * (self._rounds - self._round)
+        if self._stages_done:
+            per_stage = (self._stage_t0 - self._t0) / self._stages_done
+        elif self._round:
+            per_stage = in_stage + stage_left
+        else:
+            return None
+        later = max((self._planned or self._stage) - self._stage, 0)
+        return stage_left + later * per_stage
+
+    def _line(self) -> str:
+        eta = self.eta()
+        return (
+            f"{self._stage_label()} · round {self._round}/{self._rounds} · {self._groups} group(s), "
+            f"{self._clients} clients · {self._rate():.0f} client-steps/s · "
+            f"ETA {format_seconds(eta) if eta is not None else '?'}"
+        )
+
+    # -- hooks -----------------------------------------------------------------------------------
+    def on_fit_start(self, trainer: Any) -> None:
+        """Start the clock; learn P from the algorithm when it plans its stages."""
+        self._t0 = self._stage_t0 = time.perf_counter()
+        self._stages_done, self._steps = 0, 0.0
+        planned = getattr(trainer.algorithm, "planned_stages", None)
+        self._planned = planned if isinstance(planned, int) and planned > 0 else None
 
     def on_stage_start(self, trainer: Any, stage: int, groups: Any) -> None:
-        """Open a bar for the stage's rounds."""
-        if not self._enabled(trainer):
+        """A new stage: its rounds and clients; open the live display on the first."""
+        self._stage, self._round = stage, 0
+        self._stage_t0 = time.perf_counter()
+        self._steps_at_stage = self._steps
+        self._rounds = max((g.rounds for g in groups), default=0)
+        self._groups = len(groups)
+        self._clients = sum(len(g.clients) for g in groups)
+        if not trainer.is_global_zero or not self._live():
             return
         if self._progress is None:
-            self._progress = Progress(
-                TextColumn("[bold]{task.description}"),
-                BarColumn(),
-                MofNCompleteColumn(),
+            from rich.console import Console
+            from rich.progress import Progress, TextColumn, TimeElapsedColumn
+
+            self._progress = Progress(  # no bar: "round r/T" is the bar, the line stays readable
+                TextColumn("{task.description}"),
                 TextColumn("{task.fields[status]}"),
                 TimeElapsedColumn(),
                 console=Console(stderr=True),
                 transient=False,
             )
             self._progress.start()
-        total = max((g.rounds for g in groups), default=0)
-        clients = sum(len(g.clients) for g in groups)
-        self._task = self._progress.add_task(
-            f"stage {stage}: {len(groups)} group(s), {clients} clients", total=total, status=""
-        )
+            self._task = self._progress.add_task("", total=None, status="")
+        self._progress.update(self._task, description=self._line(), total=self._rounds, completed=0)
 
     def on_round_end(self, trainer: Any, info: Any, metrics: dict[str, float]) -> None:
-        """Advance and show the round's loss and accuracy."""
-        if self._progress is None or self._task is None:
+        """Advance: the round, the throughput and the ETA, with the loss and accuracy."""
+        self._round = int(info.round) + 1
+        self._steps = float(metrics.get("client_steps", self._steps))
+        if self._progress is None:
             return
         acc = metrics.get("test_accuracy")
         status = f"loss {metrics.get('train_loss', float('nan')):.3f}" + (
             f" acc {acc:.3f}" if acc is not None else ""
         )
-        self._progress.update(self._task, advance=1, status=status)
+        self._progress.update(self._task, description=self._line(), completed=self._round, status=status)
 
     def on_stage_end(self, trainer: Any, stage: int, metrics: dict[str, float]) -> None:
-        """Close the stage's bar."""
-        if self._progress is not None and self._task is not None:
-            task = self._progress.tasks[-1]
-            self._progress.update(self._task, completed=task.total)
-            self._task = None
+        """Count the stage; off a terminal print its line (with elapsed time and ETA)."""
+        self._stages_done += 1
+        self._stage_t0 = time.perf_counter()
+        self._round = self._rounds
+        if trainer.is_global_zero and (self.plain or not self._live()):
+            eta = self.eta()
+            acc = metrics.get("test_accuracy")
+            print(
+                f"fit: {self._stage_label()} done · {self._rounds} round(s) · {self._groups} group(s), "
+                f"{self._clients} clients · {self._rate():.0f} client-steps/s · "
+                + (f"test_accuracy {acc:.4f} · " if isinstance(acc, (int, float)) else "")
+                + f"elapsed {format_seconds(self._stage_t0 - self._t0)} · "
+                f"ETA {format_seconds(eta) if eta is not None else '?'}",
+                flush=True,
+            )
 
     def on_fit_end(self, trainer: Any, metrics: dict[str, float]) -> None:
         """Stop the live display."""

@@ -1,0 +1,107 @@
+"""``python -m fedshard_lightning runs``: one line per run directory under a root.
+
+A user with many runs needs to find the one to unlearn from or compare without opening files:
+method, dataset, K, accuracy, requests applied and whether the fit completed or was interrupted
+(and can be resumed). Everything is read from what a run leaves behind (the current FLCache
+manifest, ``config.yaml``, ``metrics.json``); nothing is loaded into torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fedshard_lightning.cache import FLCache
+from fedshard_lightning.errors import CacheError
+
+__all__ = ["describe_run", "format_runs", "list_runs", "runs_main"]
+
+COLUMNS = ("run", "method", "dataset", "K", "accuracy", "requests", "state")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _dataset(run: Path) -> str:
+    """Dataset name from config.yaml's data class (``DigitsDataModule`` -> ``digits``)."""
+    try:
+        config = yaml.safe_load((run / "config.yaml").read_text()) or {}
+        class_path = str(config["data"]["class_path"])
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        return "-"
+    return class_path.rsplit(".", 1)[-1].removesuffix("DataModule").lower() or "-"
+
+
+def describe_run(run: Path) -> dict[str, Any]:
+    """The listing's row of one run directory (missing facts are ``-``)."""
+    cache = FLCache(run / "cache")
+    manifest: dict[str, Any] = {}
+    if cache.exists():
+        try:
+            manifest = cache.manifest()
+        except CacheError:
+            manifest = {}
+    metrics = _read_json(run / "metrics.json")
+    requests = manifest.get("requests") or []
+    accuracy = requests[-1].get("test_accuracy_after") if requests else metrics.get("test_accuracy")
+    if not manifest:
+        state = "interrupted (no stage committed)" if (run / "cache").is_dir() else "-"
+    elif manifest.get("complete"):
+        state = "complete"
+    else:
+        state = "interrupted"
+        if isinstance(manifest.get("stages"), list) and manifest.get("planned_stages"):
+            state += f" (stage {len(manifest['stages'])}/{manifest['planned_stages']} committed)"
+    return {
+        "run": str(run),
+        "method": manifest.get("algorithm") or metrics.get("algorithm") or "-",
+        "dataset": _dataset(run),
+        "K": manifest.get("num_clients") or metrics.get("num_clients") or "-",
+        "accuracy": f"{accuracy:.4f}" if isinstance(accuracy, (int, float)) else "-",
+        "requests": len(requests),
+        "state": state,
+    }
+
+
+def list_runs(root: str | Path) -> list[dict[str, Any]]:
+    """Rows of every run directory directly under ``root`` (a folder with ``cache/``), by name."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    runs = [p for p in root.iterdir() if p.is_dir() and (p / "cache").is_dir()]
+
+    def key(p: Path) -> tuple[str, int, str]:
+        stem, _, num = p.name.rpartition("_")
+        return (stem, int(num), "") if num.isdigit() else (p.name, -1, p.name)
+
+    return [describe_run(p) for p in sorted(runs, key=key)]
+
+
+def format_runs(rows: list[dict[str, Any]]) -> str:
+    """A plain aligned table (reads the same in a terminal, a log file or a pasted issue)."""
+    table = [list(COLUMNS)] + [[str(r[c]) for c in COLUMNS] for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(COLUMNS))]
+    return "\n".join("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in table)
+
+
+def runs_main(argv: list[str]) -> None:
+    """``runs [--root runs]``: print the listing."""
+    parser = argparse.ArgumentParser(
+        prog="python -m fedshard_lightning runs", description="List the run directories under a root."
+    )
+    parser.add_argument("--root", default="runs", help="folder holding the runs (default: runs)")
+    args = parser.parse_args(argv)
+    rows = list_runs(args.root)
+    if not rows:
+        print(f"no runs under {args.root}")
+        return
+    print(format_runs(rows))

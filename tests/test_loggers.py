@@ -1,0 +1,147 @@
+"""Loggers: hyper-parameters, run names, one W&B run per run directory, CSV history across resume."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from fedshard_lightning import FederatedTrainer
+from fedshard_lightning.data import SyntheticDataModule
+from fedshard_lightning.loggers import run_name
+from fedshard_lightning.models import MLP
+from fedshard_lightning.unlearning import FedShard
+
+
+def _objects(root, wandb: bool = False, **kwargs):
+    data = SyntheticDataModule(
+        num_clients=8,
+        partition="dirichlet",
+        rho=0.5,
+        min_client_size=4,
+        num_samples=112,
+        num_test=40,
+        shape=(6,),
+    )
+    trainer = FederatedTrainer(
+        algorithm=FedShard(rounds="fixed", fixed_rounds=2, batch_size=4),
+        default_root_dir=str(root),
+        enable_progress_bar=False,
+        vectorize="always",
+        wandb=wandb,
+        seed=3,
+        **kwargs,
+    )
+    return trainer, MLP(hidden=(8,), lr=0.1), data
+
+
+def _rows(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _wandb_items(run_dir):
+    """(config, history rows) of every offline W&B run file in the run directory."""
+    from callbacks.test_replay import _wandb_records
+
+    config, history, runs = {}, [], set()
+    for path in sorted((run_dir / "wandb_files").rglob("run-*.wandb")):
+        for record in _wandb_records(path):
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                runs.add((record.run.run_id, record.run.display_name, record.run.run_group))
+                for item in record.run.config.update:
+                    config[item.key] = json.loads(item.value_json)
+            elif kind == "config":
+                for item in record.config.update:
+                    config[item.key] = json.loads(item.value_json)
+            elif kind == "history":
+                history.append(
+                    {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+                )
+    return config, history, runs
+
+
+def test_wandb_run_has_config_and_the_unlearning_request(run_root):
+    trainer, model, data = _objects(run_root, wandb=True, wandb_group="exp-1")
+    trainer.fit(model, data)
+    run = trainer.run_dir
+    state = json.loads((run / "wandb.json").read_text())
+    assert state["name"] == "fedshard-synthetic-K8-rho0.5-s3" and state["group"] == "exp-1"
+    trainer2, model2, data2 = _objects(run_root, wandb=True)
+    report = trainer2.unlearn(model2, data2, ckpt_path=str(run), clients=[2])
+
+    config, history, runs = _wandb_items(run)
+    for key, value in {
+        "method": "fedshard",
+        "num_clients": 8,
+        "rho": 0.5,
+        "merge_rate": 2,
+        "lr": 0.1,
+        "seed": 3,
+    }.items():
+        got = config[key]["value"] if isinstance(config[key], dict) else config[key]
+        assert got == value, key
+    assert {r[0] for r in runs} == {state["id"]}, "unlearn resumed the fit's W&B run"
+    assert {r[1] for r in runs} == {state["name"]} and {r[2] for r in runs} == {"exp-1"}
+    requests = [h for h in history if "unlearn/client_steps" in h]
+    assert len(requests) == 1
+    assert requests[0]["unlearn/client_steps"] == report["client_steps"]
+    assert requests[0]["unlearn/test_accuracy_after"] == pytest.approx(report["test_accuracy_after"])
+    rounds = [h["trainer/global_step"] for h in history if "train_loss" in h]
+    assert requests[0]["trainer/global_step"] > max(rounds), "the request comes after the fit's rounds"
+
+    # The same request in CSV.
+    rows = list(_rows(run / "logs" / "unlearn-1" / "metrics.csv"))
+    assert float(rows[-1]["unlearn/client_steps"]) == report["client_steps"]
+
+
+def test_run_name_reads_the_setting():
+    hp = {
+        "method": "fedshard",
+        "dataset": "digits",
+        "num_clients": 32,
+        "rho": 0.5,
+        "seed": 0,
+        "partition": "dirichlet",
+    }
+    assert run_name(hp) == "fedshard-digits-K32-rho0.5-s0"
+    assert run_name({**hp, "partition": "iid"}) == "fedshard-digits-K32-s0"
+
+
+class _KillAt:
+    """Interrupts the fit in the first round of a stage (as Ctrl-C would)."""
+
+    def __init__(self, stage: int) -> None:
+        self.stage = stage
+
+    def on_round_end(self, trainer, info, metrics):
+        if info.stage == self.stage:
+            raise KeyboardInterrupt
+
+
+def test_csv_keeps_the_history_of_a_fit_killed_at_stage_3_and_resumed(run_root, capsys):
+    from fedshard_lightning.callbacks import FederatedCallback
+
+    kill = type("Kill", (_KillAt, FederatedCallback), {})(3)
+    trainer, model, data = _objects(run_root, callbacks=[kill])
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit(model, data)
+    run = trainer.run_dir
+    assert (
+        f"resume with: FederatedTrainer(...same settings...).fit(model, datamodule, ckpt_path='{run}')"
+        in (capsys.readouterr().err)
+    )
+    killed = list(_rows(run / "logs" / "metrics.csv"))
+    assert {float(r["stage"]) for r in killed if r["stage"]} == {1, 2, 3}, "flushed every round"
+
+    trainer, model, data = _objects(run_root)
+    trainer.fit(model, data, ckpt_path=str(run))
+    rows = [r for r in _rows(run / "logs" / "metrics.csv") if r["round"]]
+    stages = [int(float(r["stage"])) for r in rows]
+    assert stages == sorted(stages) and set(stages) == {1, 2, 3}
+    assert len(rows) == len({(r["stage"], r["round"]) for r in rows}), "no round logged twice"
+    steps = [int(float(r["step"])) for r in rows]
+    assert steps == list(range(len(rows))), "one global step per round across the resume"
+    assert not (run / "logs" / "fit-1").exists()

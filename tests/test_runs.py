@@ -1,0 +1,51 @@
+"""``python -m fedshard_lightning runs``: the listing of run directories."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+from fedshard_lightning.cli import main
+from fedshard_lightning.runs import format_runs, list_runs
+
+TINY = ["--data.num_clients", "8", "--trainer.algorithm.t1", "2", "--trainer.algorithm.t0", "1"]
+
+
+def test_runs_lists_complete_interrupted_and_unlearned_runs(run_root, capsys):
+    main(
+        ["fit", *TINY, "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(run_root)]
+    )
+    run = run_root / "version_0"
+    main(["unlearn", "--ckpt_path", str(run), "--clients", "[1]"])
+    # An interrupted copy: point CURRENT at the first stage's version.
+    cut = run_root / "version_1"
+    shutil.copytree(run, cut)
+    current = json.loads((cut / "cache" / "CURRENT").read_text())
+    first = sorted(p.name for p in (cut / "cache").iterdir() if p.name.startswith("0001-"))[0]
+    manifest = (cut / "cache" / first / "manifest.json").read_bytes()
+    import hashlib
+
+    current.update(version=first, manifest_sha256=hashlib.sha256(manifest).hexdigest())
+    (cut / "cache" / "CURRENT").write_text(json.dumps(current))
+    (run_root / "version_2" / "cache").mkdir(parents=True)  # killed before its first commit
+    capsys.readouterr()
+
+    rows = list_runs(run_root)
+    assert [r["run"].rsplit("/", 1)[-1] for r in rows] == ["version_0", "version_1", "version_2"]
+    done, cut_row, empty = rows
+    report = json.loads((run / "unlearn_report.json").read_text())
+    assert done["method"] == "fedshard" and done["dataset"] == "digits" and done["K"] == 8
+    assert done["requests"] == 1 and done["state"] == "complete"
+    assert done["accuracy"] == f"{report['test_accuracy_after']:.4f}"
+    assert cut_row["state"].startswith("interrupted") and "1/3" in cut_row["state"]
+    assert empty["state"].startswith("interrupted") and empty["method"] == "-"
+
+    main(["runs", "--root", str(run_root)])
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].split() == ["run", "method", "dataset", "K", "accuracy", "requests", "state"]
+    assert out == format_runs(rows) + "\n"
+
+
+def test_runs_on_a_missing_root(tmp_path, capsys):
+    main(["runs", "--root", str(tmp_path / "nothing")])
+    assert "no runs under" in capsys.readouterr().out
