@@ -55,7 +55,7 @@ class TrainerEvents(LoopEvents):
         t = self.trainer
 
         def make_engine(schedule: LocalSchedule, client_fraction: float) -> FederatedEngine:
-            return FederatedEngine(
+            engine = FederatedEngine(
                 t.module,
                 t.datamodule,
                 schedule,
@@ -65,6 +65,8 @@ class TrainerEvents(LoopEvents):
                 max_chunk_clients=t.max_chunk_clients,
                 memory_budget_mb=t.memory_budget_mb,
             )
+            engine.on_mode = t._print
+            return engine
 
         return AlgorithmContext(
             make_engine=make_engine,
@@ -106,6 +108,8 @@ class TrainerEvents(LoopEvents):
             avg = sample_weighted_average(state, [g.clients for g in groups], sizes)
             acc, loss = t.evaluate(avg)
             metrics.update(test_accuracy=acc, test_loss=loss)
+        for name, value in info.metrics.items():  # what training_step logged (engine names win)
+            metrics.setdefault(name, value)
         metrics["global_round"] = float(self.global_round)
         t.history.append(metrics)
         t.fabric.call("on_round_end", t, info=info, metrics=metrics)

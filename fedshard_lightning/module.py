@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Literal
 
 import lightning as L
 import torch
@@ -44,7 +44,7 @@ from torch import Tensor, nn
 from fedshard_lightning.errors import ConfigError, ContractError
 from fedshard_lightning.init_args import RecordsInitArgs
 
-__all__ = ["FederatedModule"]
+__all__ = ["FederatedModule", "bind_model", "check_trainable", "param_dtype"]
 
 
 class FederatedModule(RecordsInitArgs, L.LightningModule):
@@ -101,10 +101,7 @@ class FederatedModule(RecordsInitArgs, L.LightningModule):
     @property
     def param_dtype(self) -> torch.dtype:
         """Floating dtype of the parameters (float32 unless the user converted the model)."""
-        for p in self.parameters():
-            if p.is_floating_point() and not isinstance(p, nn.parameter.UninitializedParameter):
-                return p.dtype
-        return torch.get_default_dtype()
+        return param_dtype(self)
 
     # -- the contract ----------------------------------------------------------------------------
     def per_sample_loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
@@ -142,20 +139,58 @@ class FederatedModule(RecordsInitArgs, L.LightningModule):
         """Ordinary Lightning test (outside the federated engine)."""
         return self._eval_step(batch, "test")
 
-    def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        """Lightning's ``log``, refused inside the federated training step."""
-        if self._in_federated_step:
-            raise ContractError(
-                f"{type(self).__name__}.training_step calls self.log({name!r}): the federated training step runs "
-                "under vmap and must be pure; remove the call (the engine logs client losses itself)"
-            )
-        super().log(name, value, *args, **kwargs)
 
-    def log_dict(self, dictionary: Any, *args: Any, **kwargs: Any) -> None:
-        """Lightning's ``log_dict``, refused inside the federated training step."""
-        if self._in_federated_step:
+def param_dtype(model: nn.Module) -> torch.dtype:
+    """Floating dtype of a model's parameters (any LightningModule, not only FederatedModule)."""
+    for p in model.parameters():
+        if p.is_floating_point() and not isinstance(p, nn.parameter.UninitializedParameter):
+            return p.dtype
+    return torch.get_default_dtype()
+
+
+def check_trainable(model: nn.Module) -> None:
+    """Refuse, in one line naming the layer and the fix, what federated training cannot run yet.
+
+    Layers that keep running statistics (BatchNorm with ``track_running_stats=True``) update
+    buffers in the training step; per-client buffers are not stacked yet, so such a layer would
+    fail deep inside ``vmap`` (or silently share statistics across clients in the loop).
+    """
+    owner = type(model).__name__
+    for name, sub in model.named_modules():
+        if isinstance(sub, nn.modules.batchnorm._BatchNorm) and sub.track_running_stats:
             raise ContractError(
-                f"{type(self).__name__}.training_step calls self.log_dict: the federated training step must be "
-                "pure; remove the call"
+                f"{owner}: layer {name} ({type(sub).__name__}) keeps running statistics, which federated "
+                "training does not stack per client yet; use nn.GroupNorm, or "
+                f"{type(sub).__name__}(..., track_running_stats=False)"
             )
-        super().log_dict(dictionary, *args, **kwargs)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ContractError(f"{owner} has no trainable parameters")
+
+
+def bind_model(model: L.LightningModule, input_shape: Sequence[int], num_classes: int) -> None:
+    """Make a model ready for the engine: shapes from the data, lazy layers built, contract checked.
+
+    A :class:`FederatedModule` takes its open shapes from the data (``bind_data``); a plain
+    LightningModule builds its layers itself (``__init__`` or ``configure_model``) and gets one
+    dry run on a zero batch, which materialises lazy layers and checks that ``forward`` accepts
+    the datamodule's samples.
+    """
+    if isinstance(model, FederatedModule):
+        model.bind_data(input_shape, num_classes)
+    else:
+        model.configure_model()
+        owner = type(model).__name__
+        was_training = model.training
+        try:
+            with torch.no_grad():
+                model.eval()
+                model(torch.zeros(2, *input_shape, dtype=param_dtype(model)))
+        except Exception as err:  # the user's forward may raise anything
+            msg = " ".join(str(err).split())[:200]
+            raise ContractError(
+                f"{owner}.forward fails on a batch of shape {(2, *input_shape)} from the datamodule "
+                f"({type(err).__name__}: {msg}); make forward accept it"
+            ) from None
+        finally:
+            model.train(was_training)
+    check_trainable(model)

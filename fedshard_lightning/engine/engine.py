@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.engine.aggregate import GroupSums
-from fedshard_lightning.engine.local import ClientBatch, Kernel, LocalResult, LocalTrainer
+from fedshard_lightning.engine.local import ClientBatch, Kernel, LocalResult, LocalTrainer, RandomInStep
 from fedshard_lightning.engine.optim import OptimizerSpec, optimizer_spec
 from fedshard_lightning.engine.participants import KeyedSampling, ParticipantPolicy
 from fedshard_lightning.engine.schedule import LocalSchedule
@@ -62,6 +62,7 @@ class RoundInfo:
     start_params: dict[str, Tensor] | None = None
     client_params: dict[str, Tensor] | None = None
     client_ids: list[int] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -138,6 +139,10 @@ class FederatedEngine:
         self.local.compiled = bool(compile)
         self.sizes = np.asarray(datamodule.client_sizes, dtype=np.int64)
         self._mode: str | None = {"always": "stacked", "never": "loop"}.get(vectorize)
+        self.mode_reason = {"always": "vectorize: always", "never": "vectorize: never"}.get(vectorize, "")
+        # Called once with a one-line account of the path taken (e.g. the trainer's print).
+        self.on_mode: Callable[[str], None] | None = None
+        self._announced = False
         self.chunk = max_chunk_clients or self._chunk_from_budget(memory_budget_mb)
         self.policy: ParticipantPolicy = KeyedSampling(self.client_fraction, self.seed)
 
@@ -153,6 +158,7 @@ class FederatedEngine:
         new.local = copy.copy(self.local)
         new.spec = new.local.spec = spec
         new.local.loop_uses_spec = True
+        new.local.lr_at = None  # the new optimizer's own learning rates replace the model's scheduler
         return new
 
     def with_participants(self, policy: ParticipantPolicy) -> FederatedEngine:
@@ -192,8 +198,29 @@ class FederatedEngine:
     def _run_local(self, state: dict[str, Tensor], rows: Tensor, batch: ClientBatch) -> LocalResult:
         if self._mode is None:
             self._mode = self._probe({k: v.index_select(0, rows) for k, v in state.items()}, batch)
-        if self._mode == "loop":
-            return self.local.train_loop(state, batch, rows)
+        if self._mode == "stacked":
+            try:
+                res = self._run_stacked(state, rows, batch)
+                self._announce()
+                return res
+            except RandomInStep as err:
+                self._mode, self.mode_reason = "loop", f"{err}; the loop seeds each client step by its key"
+        self._announce()
+        return self.local.train_loop(state, batch, rows)
+
+    @property
+    def mode_line(self) -> str:
+        """One line: which local-training path runs and why."""
+        if self._mode == "stacked":
+            return f"local training: stacked clients, kernel {self.local.program_status} ({self.mode_reason})"
+        return f"local training: per-client loop ({self.mode_reason})"
+
+    def _announce(self) -> None:
+        if not self._announced and self.on_mode is not None:
+            self._announced = True
+            self.on_mode(self.mode_line)
+
+    def _run_stacked(self, state: dict[str, Tensor], rows: Tensor, batch: ClientBatch) -> LocalResult:
         q = self.invariant_block()
         if q is None:
             return self.local.train_stacked(state, batch, rows)
@@ -215,6 +242,7 @@ class FederatedEngine:
             {k: torch.cat([r.params[k][:n] for r, n in parts]) for k in self.names},
             np.concatenate([r.steps[:n] for r, n in parts]),
             torch.cat([r.loss_sum[:n] for r, n in parts]),
+            {k: torch.cat([r.logs[k][:n] for r, n in parts]) for k in parts[0][0].logs},
         )
 
     def invariant_block(self) -> int | None:
@@ -261,8 +289,12 @@ class FederatedEngine:
         self.local.schedule = LocalSchedule(batch_size=full.batch_size, local_steps=2)
         per_client = dict.fromkeys(runs, math.inf)
         try:
-            for mode, (fn, sub) in runs.items():
-                fn({n: v[: sizes[mode]] for n, v in start.items()}, sub)  # warm-up (builds the kernels)
+            try:
+                for mode, (fn, sub) in runs.items():
+                    fn({n: v[: sizes[mode]] for n, v in start.items()}, sub)  # warm-up (builds the kernels)
+            except RandomInStep as err:
+                self.mode_reason = f"vectorize: auto; {err}; the loop seeds each client step by its key"
+                return "loop"
             for _ in range(2):
                 for mode, (fn, sub) in runs.items():
                     sub_start = {n: v[: sizes[mode]] for n, v in start.items()}
@@ -271,13 +303,19 @@ class FederatedEngine:
                     per_client[mode] = min(per_client[mode], (time.perf_counter() - t) / sizes[mode])
         finally:
             self.local.schedule = full
-        return min(per_client, key=per_client.get)
+        best = min(per_client, key=per_client.get)
+        ms = {k: f"{1e3 * v:.2f}" for k, v in per_client.items()}
+        self.mode_reason = (
+            f"vectorize: auto; timed {ms['stacked']} ms/client stacked vs {ms['loop']} ms/client loop"
+        )
+        return best
 
     def set_mode(self, mode: str) -> None:
         """Fix the local-training path (``stacked`` or ``loop``), e.g. the one a cached run used."""
         if mode not in ("stacked", "loop"):
             raise ConfigError(f"vectorize mode {mode!r}: choose stacked or loop")
         self._mode = mode
+        self.mode_reason = "the path this run was trained with"
 
     @property
     def mode(self) -> str | None:
@@ -327,6 +365,7 @@ class FederatedEngine:
             weight = torch.zeros(G, dtype=torch.float64)
             loss_sum = torch.zeros(G, dtype=torch.float64)
             step_count = np.zeros(G, dtype=np.int64)
+            logged: dict[str, float] = {}
             kept: list[LocalResult] = []
             for lo in range(0, len(clients), self.chunk):
                 cl, ow = clients[lo : lo + self.chunk], owner[lo : lo + self.chunk]
@@ -339,6 +378,7 @@ class FederatedEngine:
                 weight.index_add_(0, own_cpu, torch.as_tensor(self.sizes[cl], dtype=torch.float64))
                 loss_sum.index_add_(0, own_cpu, res.loss_sum.detach().cpu().double())
                 np.add.at(step_count, ow, res.steps)
+                self._add_logged(logged, res, cl)
                 if keep_client_params:
                     kept.append(res)
             before = {k: v.clone() for k, v in state.items()} if keep_client_params else None
@@ -366,6 +406,7 @@ class FederatedEngine:
                     else None
                 ),
                 client_ids=clients,
+                metrics={k: v / max(float(self.sizes[clients].sum()), 1.0) for k, v in logged.items()},
             )
             history.append(info)
             if on_round_end is not None:
@@ -381,6 +422,19 @@ class FederatedEngine:
             seconds=time.perf_counter() - t0,
             history=history,
         )
+
+    def _add_logged(self, logged: dict[str, float], res: LocalResult, clients: list[int]) -> None:
+        """Add the sample-weighted per-client means of the values the training step logged.
+
+        A client's value in a round is the mean over its local steps; the round's value is the
+        FedAvg-weighted mean over the participants (divided by their total samples at the end).
+        """
+        if not res.logs:
+            return
+        n = torch.as_tensor(self.sizes[clients], dtype=torch.float64)
+        steps = torch.as_tensor(np.maximum(res.steps, 1), dtype=torch.float64)
+        for k, v in res.logs.items():
+            logged[k] = logged.get(k, 0.0) + float((n * v.detach().cpu().double() / steps).sum())
 
     @staticmethod
     def _check_finite(
