@@ -35,6 +35,14 @@ class SchedulerMLP(MLP):
         return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 1)}
 
 
+class PlateauMLP(MLP):
+    """Returns ReduceLROnPlateau, whose rate follows a metric, not the round (refused)."""
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.ReduceLROnPlateau(opt)}
+
+
 class ExplodingMLP(MLP):
     """Produces an infinite loss for client data containing label 3."""
 
