@@ -149,19 +149,22 @@ def param_dtype(model: nn.Module) -> torch.dtype:
 
 
 def check_trainable(model: nn.Module) -> None:
-    """Refuse, in one line naming the layer and the fix, what federated training cannot run yet.
+    """Refuse, in one line naming the layer and the fix, what federated training cannot replay.
 
-    Layers that keep running statistics (BatchNorm with ``track_running_stats=True``) update
-    buffers in the training step; per-client buffers are not stacked yet, so such a layer would
-    fail deep inside ``vmap`` (or silently share statistics across clients in the loop).
+    BatchNorm's running statistics are stacked per client and averaged like parameters, with
+    an exponential average (``momentum``). ``momentum=None`` (a cumulative average) counts the
+    batches seen in ``num_batches_tracked``, which is not stacked, so it is refused.
     """
     owner = type(model).__name__
     for name, sub in model.named_modules():
-        if isinstance(sub, nn.modules.batchnorm._BatchNorm) and sub.track_running_stats:
+        if (
+            isinstance(sub, nn.modules.batchnorm._BatchNorm)
+            and sub.track_running_stats
+            and sub.momentum is None
+        ):
             raise ContractError(
-                f"{owner}: layer {name} ({type(sub).__name__}) keeps running statistics, which federated "
-                "training does not stack per client yet; use nn.GroupNorm, or "
-                f"{type(sub).__name__}(..., track_running_stats=False)"
+                f"{owner}: layer {name} ({type(sub).__name__}) uses momentum=None (a cumulative average over "
+                "batches), which federated training cannot stack per client; set momentum=0.1"
             )
     if not any(p.requires_grad for p in model.parameters()):
         raise ContractError(f"{owner} has no trainable parameters")

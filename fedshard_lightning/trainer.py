@@ -206,7 +206,7 @@ class FederatedTrainer:
         return evaluate(self.module, params, *self._test_data)
 
     def _set_params(self, params: dict[str, Tensor]) -> None:
-        named = dict(self.module.named_parameters())
+        named = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
         with torch.no_grad():
             for k, v in params.items():
                 named[k].copy_(v)

@@ -127,15 +127,35 @@ class FunctionalDropoutMLP(MLP):
         return self.per_sample_loss(batch).mean()
 
 
-class BatchNormMLP(PlainMLP):
-    """BatchNorm with running statistics: refused before training, naming the layer."""
+class BNDropoutCNN(DropoutCNN):
+    """DropoutCNN with BatchNorm (running statistics) after the convolution."""
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            c = self.input_shape[0]
+            self.net = nn.Sequential(
+                nn.Conv2d(c, 4, 3, padding=1),
+                nn.BatchNorm2d(4),
+                nn.ReLU(),
+                nn.Dropout(self.p),
+                nn.MaxPool2d(2),
+                nn.Flatten(),
+                nn.LazyLinear(16),
+                nn.ReLU(),
+                nn.Dropout(self.p),
+                nn.Linear(16, self.num_classes),
+            )
+
+
+class CumulativeBNMLP(PlainMLP):
+    """BatchNorm with momentum=None (a cumulative average): refused before training, naming the layer."""
 
     def __init__(self, hidden: int = 16, num_classes: int = 4, lr: float = 0.1) -> None:
         super().__init__(hidden, num_classes, lr)
         self.net = nn.Sequential(
             nn.Flatten(),
             nn.LazyLinear(hidden),
-            nn.BatchNorm1d(hidden),
+            nn.BatchNorm1d(hidden, momentum=None),
             nn.ReLU(),
             nn.Linear(hidden, num_classes),
         )

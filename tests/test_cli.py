@@ -120,7 +120,7 @@ def test_fit_without_config_uses_digits_defaults(capsys):
         (["fit", "--trainer.algorithm.merge_rate", "1"], "merge_rate"),
         (["fit", "--trainer.algorithm.t0", "9", "--trainer.algorithm.t1", "3"], "t0"),
         (["fit", "--trainer.algorithm.batch_size", "0"], "batch_size"),
-        (["fit", "--model", "_models.BatchNormMLP"], "track_running_stats=False"),
+        (["fit", "--model", "_models.CumulativeBNMLP"], "momentum=None"),
         (["fit", "--model", "_models.PlateauMLP"], "ReduceLROnPlateau"),
         (["fit", "--model", "_models.LBFGSMLP"], "LBFGS"),
         (["unlearn", "--ckpt_path", "/nonexistent/run", "--clients", "[1]"], "ckpt_path"),

@@ -28,7 +28,15 @@ from fedshard_lightning.engine.participants import KeyedSampling, ParticipantPol
 from fedshard_lightning.engine.schedule import LocalSchedule
 from fedshard_lightning.errors import ConfigError, NonFiniteLossError
 
-__all__ = ["FederatedEngine", "Group", "RoundInfo", "TrainResult", "stack_params", "unstack_params"]
+__all__ = [
+    "FederatedEngine",
+    "Group",
+    "RoundInfo",
+    "TrainResult",
+    "client_buffer_names",
+    "stack_params",
+    "unstack_params",
+]
 
 Vectorize = Literal["auto", "always", "never"]
 
@@ -75,6 +83,18 @@ class TrainResult:
     rounds_run: list[int]
     seconds: float
     history: list[RoundInfo]
+
+
+def client_buffer_names(module: nn.Module) -> list[str]:
+    """Buffers each client keeps its own copy of: the running statistics of BatchNorm layers.
+
+    Other buffers (constants a model registers) are shared, unstacked, as the model holds them.
+    """
+    out = []
+    for name, sub in module.named_modules():
+        if isinstance(sub, nn.modules.batchnorm._BatchNorm) and sub.track_running_stats:
+            out += [f"{name}.running_mean", f"{name}.running_var"]
+    return out
 
 
 def stack_params(models: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
@@ -134,8 +154,11 @@ class FederatedEngine:
         self.vectorize = vectorize
         self.batch_invariant = bool(batch_invariant)
         self.names = [n for n, p in module.named_parameters() if p.requires_grad]
+        self.buffer_names = client_buffer_names(module)
         self.spec = optimizer_spec(module, self.names)
-        self.local = LocalTrainer(module, datamodule, schedule, self.spec, self.names, self.seed)
+        self.local = LocalTrainer(
+            module, datamodule, schedule, self.spec, self.names, self.seed, self.buffer_names
+        )
         self.local.compiled = bool(compile)
         self.sizes = np.asarray(datamodule.client_sizes, dtype=np.int64)
         self._mode: str | None = {"always": "stacked", "never": "loop"}.get(vectorize)
@@ -175,9 +198,14 @@ class FederatedEngine:
         return isinstance(self.policy, KeyedSampling) and self.policy.everyone
 
     def module_params(self) -> dict[str, Tensor]:
-        """The module's current trainable parameters (detached copies)."""
-        named = dict(self.module.named_parameters())
-        return {n: named[n].detach().clone() for n in self.names}
+        """The module's current trainable parameters and client buffers (detached copies).
+
+        A model's state in the engine, in the algorithms and in the cache is this dict: the
+        running statistics of BatchNorm layers travel with the parameters, are averaged with the
+        same FedAvg weights, and are replayed exactly by unlearning.
+        """
+        named = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
+        return {n: named[n].detach().clone() for n in self.names + self.buffer_names}
 
     def _chunk_from_budget(self, budget_mb: float) -> int:
         p = next(self.module.parameters())
@@ -239,7 +267,7 @@ class FederatedEngine:
         if len(parts) == 1 and parts[0][1] == q:
             return parts[0][0]
         return LocalResult(
-            {k: torch.cat([r.params[k][:n] for r, n in parts]) for k in self.names},
+            {k: torch.cat([r.params[k][:n] for r, n in parts]) for k in parts[0][0].params},
             np.concatenate([r.steps[:n] for r, n in parts]),
             torch.cat([r.loss_sum[:n] for r, n in parts]),
             {k: torch.cat([r.logs[k][:n] for r, n in parts]) for k in parts[0][0].logs},
@@ -401,7 +429,7 @@ class FederatedEngine:
                 seconds=time.perf_counter() - tr,
                 start_params=before,
                 client_params=(
-                    {k: torch.cat([x.params[k] for x in kept]) for k in self.names}
+                    {k: torch.cat([x.params[k] for x in kept]) for k in self.names + self.buffer_names}
                     if keep_client_params
                     else None
                 ),

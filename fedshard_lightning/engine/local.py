@@ -131,18 +131,22 @@ class LocalTrainer:
         spec: OptimizerSpec,
         names: Sequence[str],
         seed: int,
+        buffer_names: Sequence[str] = (),
     ) -> None:
         self.module = module
         self.dm = datamodule
         self.schedule = schedule
         self.spec = spec
         self.names = list(names)
+        # Buffers every client keeps its own copy of (BatchNorm running statistics), stacked like
+        # the parameters and updated in place by the training step.
+        self.buffer_names = list(buffer_names)
         self.seed = seed
         self.dtype = next(module.parameters()).dtype
         self.ctx = StepContext()
         self.ctx.install(module)
         self._caller = _StepCaller(module, self.ctx)
-        self._fwd = vmap(self._loss, in_dims=(0, None, 0, 0, 0))
+        self._fwd = vmap(self._loss, in_dims=(0, 0, None, 0, 0, 0))
         # Learning rate per round from the model's scheduler (None: the optimizer's own, constant).
         self.lr_at: RoundLR | None = round_lr(module)
         # The default training_step is a mean of per_sample_loss, which the fx kernels rewrite.
@@ -173,12 +177,13 @@ class LocalTrainer:
     def _loss(
         self,
         params: dict[str, Tensor],
+        client_buffers: dict[str, Tensor],
         buffers: dict[str, Tensor],
         x: Tensor,
         y: Tensor,
         key: Tensor,
     ) -> tuple[Tensor, dict[str, Tensor]]:
-        return functional_call(self._caller, (params, buffers), (x, y, key))
+        return functional_call(self._caller, (params, client_buffers, buffers), (x, y, key))
 
     @property
     def program_status(self) -> str | None:
@@ -257,11 +262,13 @@ class LocalTrainer:
         y: Tensor,
         mask: Tensor | None = None,
         keys: Tensor | None = None,
+        client_buffers: dict[str, Tensor] | None = None,
     ) -> tuple[dict[str, Tensor], Tensor, dict[str, Tensor]]:
         """Per-client gradients, losses and logged values: stacked forward, one backward of the sum.
 
         Client c's loss depends only on its own parameter slice, so the gradient of the sum
-        with respect to that slice is exactly client c's gradient.
+        with respect to that slice is exactly client c's gradient. ``client_buffers`` [m, ...]
+        (running statistics) are updated in place, each client's row by its own batch.
         """
         prog = self.program()
         logged: dict[str, Tensor] = {}
@@ -275,7 +282,7 @@ class LocalTrainer:
                 if keys is None:
                     keys = torch.zeros(x.shape[0], dtype=torch.int64, device=x.device)
                 try:
-                    losses, logged = self._fwd(leaves, buffers, x, y, keys)
+                    losses, logged = self._fwd(leaves, client_buffers or {}, buffers, x, y, keys)
                 except RuntimeError as err:
                     if "randomness" in str(err):
                         raise RandomInStep(
@@ -327,7 +334,9 @@ class LocalTrainer:
         pick = order_t if rows is None else rows.index_select(0, order_t)
         out = {n: start[n].new_empty((m_all, *start[n].shape[1:])) for n in self.names}
         leaves = {_PREFIX + n: start[n].index_select(0, pick).requires_grad_() for n in self.names}
-        buffers = {_PREFIX + n: b_ for n, b_ in self.module.named_buffers()}
+        out.update({n: start[n].new_empty((m_all, *start[n].shape[1:])) for n in self.buffer_names})
+        cbuf = {_PREFIX + n: start[n].index_select(0, pick) for n in self.buffer_names}
+        buffers = {_PREFIX + n: b_ for n, b_ in self.module.named_buffers() if n not in self.buffer_names}
         self.program()
         chain = self._chain
         spec = self.spec_at(batch.round)
@@ -352,13 +361,14 @@ class LocalTrainer:
                 m_s = int((steps_sorted > s).sum())
                 if fixed:
                     if m_s < live:
-                        self._retire(out, leaves, order_t, m_s, live)
+                        self._retire(out, {**leaves, **cbuf}, order_t, m_s, live)
                         live = m_s
                 elif m_s < m:
-                    self._retire(out, leaves, order_t, m_s, m)
+                    self._retire(out, {**leaves, **cbuf}, order_t, m_s, m)
                     new = {k: v.detach()[:m_s].requires_grad_() for k, v in leaves.items()}
                     shrink_optimizer(opt, list(leaves.values()), list(new.values()), m_s)
                     leaves, m = new, m_s
+                    cbuf = {k: v[:m_s] for k, v in cbuf.items()}
                     live = m
                 sizes = gsz[s, :m]
                 if chain is not None:
@@ -372,7 +382,9 @@ class LocalTrainer:
                     grads = {_PREFIX + k: g for k, g in by_name.items()}
                 elif (sizes == b).all():
                     x, y = self.dm.gather(gidx_t[s, :m], self.dtype)
-                    grads, losses, logged = self._grad(leaves, buffers, x, y, keys=keys_all[s, :m])
+                    grads, losses, logged = self._grad(
+                        leaves, buffers, x, y, keys=keys_all[s, :m], client_buffers=cbuf
+                    )
                     loss_sum[:m] += losses
                     self._add_logs(logs, logged, m_all, slice(0, m))
                 elif self._program is not None:  # per-sample ops only: pad and mask
@@ -382,10 +394,18 @@ class LocalTrainer:
                     loss_sum[:m] += losses
                 elif fixed:  # every distinct batch size for all rows, kept where it is the row's own
                     grads = {k: torch.zeros_like(v) for k, v in leaves.items()}
+                    before = {k: v.clone() for k, v in cbuf.items()}
+                    after = {k: v.clone() for k, v in cbuf.items()}
                     for size in np.unique(sizes[sizes > 0]):
                         x, y = self.dm.gather(gidx_t[s, :m, :size], self.dtype)
-                        g_all, l_all, logged = self._grad(leaves, buffers, x, y, keys=keys_all[s, :m])
+                        for k, v in cbuf.items():
+                            v.copy_(before[k])
+                        g_all, l_all, logged = self._grad(
+                            leaves, buffers, x, y, keys=keys_all[s, :m], client_buffers=cbuf
+                        )
                         own = size_t[s, :m] == int(size)
+                        for k, v in cbuf.items():
+                            after[k] = torch.where(own.view(-1, *[1] * (v.ndim - 1)), v, after[k])
                         for k in grads:
                             grads[k] = torch.where(
                                 own.view(-1, *[1] * (grads[k].ndim - 1)), g_all[k], grads[k]
@@ -393,15 +413,20 @@ class LocalTrainer:
                         loss_sum[:m] += torch.where(own, l_all, torch.zeros_like(l_all))
                         kept = {k: torch.where(own, v, torch.zeros_like(v)) for k, v in logged.items()}
                         self._add_logs(logs, kept, m_all, slice(0, m))
+                    for k, v in cbuf.items():
+                        v.copy_(after[k])
                 else:
                     grads = {k: torch.zeros_like(v) for k, v in leaves.items()}
                     for size in np.unique(sizes):
                         sel = torch.as_tensor(np.flatnonzero(sizes == size), device=device)
                         x, y = self.dm.gather(gidx_t[s, sel, :size], self.dtype)
                         sub = {k: v.index_select(0, sel) for k, v in leaves.items()}
+                        sub_buf = {k: v.index_select(0, sel) for k, v in cbuf.items()}
                         g_sub, l_sub, logged = self._grad(
-                            sub, buffers, x, y, keys=keys_all[s].index_select(0, sel)
+                            sub, buffers, x, y, keys=keys_all[s].index_select(0, sel), client_buffers=sub_buf
                         )
+                        for k, v in cbuf.items():
+                            v.index_copy_(0, sel, sub_buf[k])
                         for k in grads:
                             grads[k].index_copy_(0, sel, g_sub[k])
                         loss_sum.index_add_(0, sel, l_sub)
@@ -414,9 +439,11 @@ class LocalTrainer:
         finally:
             self.module._in_federated_step = False
         if live == m_all and bool((order == np.arange(m_all)).all()):
-            out = {k[len(_PREFIX) :]: v.detach() for k, v in leaves.items()}  # nobody retired early
+            out = {
+                k[len(_PREFIX) :]: v.detach() for k, v in {**leaves, **cbuf}.items()
+            }  # nobody retired early
         else:
-            self._retire(out, leaves, order_t, 0, live)
+            self._retire(out, {**leaves, **cbuf}, order_t, 0, live)
         inv = torch.empty_like(order_t)
         inv[order_t] = torch.arange(m_all, device=device)
         return LocalResult(
@@ -460,11 +487,13 @@ class LocalTrainer:
             self._worker_ctx.install(self._worker)
         worker = self._worker
         params = dict(worker.named_parameters())
+        wbuf = dict(worker.named_buffers())
+        params.update({n: wbuf[n] for n in self.buffer_names})  # copied in and out like parameters
         gidx_all, size_all, steps = self.schedules(batch)
         device = next(iter(start.values())).device
         m_all = len(batch.clients)
         src = list(range(m_all)) if rows is None else rows.tolist()
-        out = {n: start[n].new_empty((m_all, *start[n].shape[1:])) for n in self.names}
+        out = {n: start[n].new_empty((m_all, *start[n].shape[1:])) for n in self.names + self.buffer_names}
         loss_sum = torch.zeros(m_all, dtype=self.dtype, device=device)
         logs: dict[str, Tensor] = {}
         keys = self.keys(batch, size_all.shape[1] if size_all.ndim == 2 else 0)
@@ -475,7 +504,7 @@ class LocalTrainer:
             with torch.random.fork_rng(devices=rng_devices):  # the user's global stream is left as it was
                 for i in range(len(batch.clients)):
                     with torch.no_grad():
-                        for n in self.names:
+                        for n in self.names + self.buffer_names:
                             params[n].copy_(start[n][src[i]])
                     if self.loop_uses_spec:
                         opt = self.spec.build(params)
@@ -500,7 +529,7 @@ class LocalTrainer:
                         for k, v in logged.items():
                             logs.setdefault(k, torch.zeros(m_all, dtype=self.dtype, device=device))[i] += v
                     with torch.no_grad():
-                        for n in self.names:
+                        for n in self.names + self.buffer_names:
                             out[n][i].copy_(params[n])
         finally:
             worker._in_federated_step = False
