@@ -12,20 +12,26 @@ from pathlib import Path
 
 import pytest
 import torch
-from _models import BatchNormMLP, DropoutCNN, FunctionalDropoutMLP, PlainMLP
+from _models import BNDropoutCNN, CumulativeBNMLP, DropoutCNN, FunctionalDropoutMLP, PlainMLP
 
 from fedshard_lightning.data import SyntheticDataModule
-from fedshard_lightning.engine import FederatedEngine, Group, LocalSchedule, stack_params
+from fedshard_lightning.engine import FederatedEngine, Group, LocalSchedule, predict_logits, stack_params
 from fedshard_lightning.engine.local import ClientBatch
 from fedshard_lightning.engine.optim import RoundLR
 from fedshard_lightning.engine.step_context import keyed_uniform, step_keys
 from fedshard_lightning.errors import ContractError
+from fedshard_lightning.models import ResNet18BN
 from fedshard_lightning.module import bind_model
 from fedshard_lightning.trainer import FederatedTrainer
 from fedshard_lightning.unlearning import FedShard
 
-CASES = [(PlainMLP, (10,)), (DropoutCNN, (1, 8, 8))]
-LOGGED = {PlainMLP: {"train_loss_logged"}, DropoutCNN: {"train_acc", "logged_loss"}}
+CASES = [(PlainMLP, (10,)), (DropoutCNN, (1, 8, 8)), (BNDropoutCNN, (1, 8, 8)), (ResNet18BN, (3, 16, 16))]
+LOGGED = {
+    PlainMLP: {"train_loss_logged"},
+    DropoutCNN: {"train_acc", "logged_loss"},
+    BNDropoutCNN: {"train_acc", "logged_loss"},
+    ResNet18BN: set(),
+}
 
 
 def _data(shape):
@@ -46,7 +52,9 @@ def _data(shape):
 
 def _fresh(cls):
     torch.manual_seed(0)
-    return cls(lr=0.1) if cls is DropoutCNN else cls()
+    if cls is ResNet18BN:
+        return cls(width=2, lr=0.05)  # tiny width keeps CPU time low
+    return cls(lr=0.1) if issubclass(cls, DropoutCNN) else cls()
 
 
 def _engine(cls, shape, mode, dtype=torch.float64):
@@ -54,11 +62,13 @@ def _engine(cls, shape, mode, dtype=torch.float64):
     m = _fresh(cls)
     bind_model(m, dm.input_shape, dm.num_classes)
     m = m.to(dtype)
-    return FederatedEngine(m, dm, LocalSchedule(batch_size=7, local_epochs=2), seed=1, vectorize=mode)
+    epochs = 1 if cls is ResNet18BN else 2
+    return FederatedEngine(m, dm, LocalSchedule(batch_size=7, local_epochs=epochs), seed=1, vectorize=mode)
 
 
 def _fit(eng):
-    groups = [Group(0, (0, 1, 2, 3), 3), Group(1, (4, 5, 6, 7), 2)]
+    rounds = 2 if isinstance(eng.module, ResNet18BN) else 3
+    groups = [Group(0, (0, 1, 2, 3), rounds), Group(1, (4, 5, 6, 7), rounds - 1)]
     return eng.train_groups(stack_params([eng.module_params()] * 2), groups, stage=1)
 
 
@@ -143,12 +153,35 @@ def test_auto_says_which_path_and_why():
     assert ("vmap (a plain LightningModule)" in lines[0]) == (eng.mode == "stacked")
 
 
-def test_batchnorm_running_stats_refused_in_one_line():
+@pytest.mark.parametrize(("cls", "shape"), [(BNDropoutCNN, (1, 8, 8)), (ResNet18BN, (3, 16, 16))])
+def test_batchnorm_statistics_are_per_client_averaged_and_used_in_eval(cls, shape):
+    eng = _engine(cls, shape, "always")
+    assert eng.buffer_names and all("running_" in n for n in eng.buffer_names)
+    init = eng.module_params()
+    res = eng.train_groups(
+        stack_params([init]), [Group(0, (0, 1, 2, 3), 1)], stage=1, keep_client_params=True
+    )
+    info = res.history[-1]
+    w = torch.as_tensor(eng.sizes[info.client_ids], dtype=torch.float64)
+    for k in eng.buffer_names:
+        client = info.client_params[k]
+        assert not torch.equal(client[0], client[1])  # each client its own statistics
+        want = (client * w.view(-1, *[1] * (client.ndim - 1))).sum(0) / w.sum()
+        assert torch.allclose(res.params[k][0], want, rtol=0, atol=1e-12)  # FedAvg weights
+        assert not torch.equal(res.params[k][0], init[k])
+    # Evaluation uses the state's (aggregated) statistics, not the module's own buffers.
+    x = eng.dm.gather(torch.arange(8).view(1, 8), eng.local.dtype)[0][0]
+    model = {k: v[0] for k, v in res.params.items()}
+    params_only = {k: v for k, v in model.items() if k in eng.names}
+    assert not torch.allclose(
+        predict_logits(eng.module, model, x), predict_logits(eng.module, params_only, x)
+    )
+
+
+def test_cumulative_batchnorm_refused_in_one_line():
     dm = _data((10,))
-    with pytest.raises(
-        ContractError, match=r"layer net\.2 \(BatchNorm1d\).*track_running_stats=False"
-    ) as err:
-        bind_model(BatchNormMLP(), dm.input_shape, dm.num_classes)
+    with pytest.raises(ContractError, match=r"layer net\.2 \(BatchNorm1d\).*momentum=None") as err:
+        bind_model(CumulativeBNMLP(), dm.input_shape, dm.num_classes)
     assert "\n" not in str(err.value)
 
 
