@@ -1,18 +1,16 @@
-"""The model contract of fedshard_lightning: a LightningModule that the engine can vectorize.
+"""The model contract of fedshard_lightning: a LightningModule that the engine can train per client.
 
-The engine trains many clients at once by stacking their parameters and calling the model under
-``torch.func.vmap``. That works for any model whose training step is a pure function of its
-parameters and the batch. :class:`FederatedModule` states the contract and checks what can be
-checked:
+Any ``lightning.LightningModule`` with ``forward``, ``training_step`` and ``configure_optimizers``
+trains federatedly (:func:`bind_model` prepares it; ``docs/architecture.md``, "Seams", says what a
+step may do: ``self.log``, ``nn.Dropout``, BatchNorm, one round-based LR scheduler).
+:class:`FederatedModule` adds what makes the engine fastest and configs shortest:
 
-* ``forward(x)`` maps a batch of inputs to logits.
-* ``training_step(batch, batch_idx)`` returns a scalar loss and logs nothing (it runs under vmap;
-  ``self.log`` there raises :class:`~fedshard_lightning.errors.ContractError`). The default
-  averages :meth:`per_sample_loss`.
+* ``forward(x)`` maps a batch of inputs to logits; layers are built in ``configure_model`` once
+  the data's ``input_shape`` and ``num_classes`` are known.
+* ``training_step(batch, batch_idx)`` returns the scalar loss. The default averages
+  :meth:`per_sample_loss`, which the engine rewrites into batched kernels (no ``vmap``).
 * ``configure_optimizers()`` returns one element-wise torch optimizer (SGD, Adam, AdamW, ...),
-  without a learning-rate scheduler; the engine re-creates it fresh in every round.
-* Layers must not keep running statistics (use GroupNorm, not BatchNorm) and must not draw random
-  numbers in the training step (no dropout), so that a client's result is a function of its data.
+  optionally with one LR scheduler, stepped once per communication round.
 
 Subclass example (a new model is a class plus a config entry)::
 
