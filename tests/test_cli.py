@@ -135,3 +135,25 @@ def test_one_line_errors(args, needle, capsys, run_root):
     assert len(lines) == 1, err
     assert lines[0].startswith("error: ") and needle in lines[0]
     assert "Traceback" not in err
+
+
+def test_plain_lightning_module_by_class_path(run_root, capsys):
+    """A plain LightningModule (not FederatedModule) trains, says its path, logs its self.log values."""
+    args = ["fit", *TINY, "--model", "_models.PlainMLP", "--model.num_classes", "10"]
+    code, out, err = _run([*args, "--trainer.default_root_dir", str(run_root)], capsys)
+    assert code == 0, err
+    assert sum(line.startswith("local training: ") for line in out.splitlines()) >= 1
+    header = (run_root / "version_0" / "logs" / "metrics.csv").read_text().splitlines()[0]
+    assert "train_loss_logged" in header
+    code, out, err = _run(
+        [
+            "audit",
+            "--config",
+            str(run_root / "version_0" / "config.yaml"),
+            "--ckpt_path",
+            str(run_root / "version_0"),
+        ],
+        capsys,
+    )
+    assert code == 0, err
+    assert "audit PASSED" in out
