@@ -143,8 +143,7 @@ class LocalTrainer:
         self.buffer_names = list(buffer_names)
         self.seed = seed
         self.dtype = next(module.parameters()).dtype
-        self.ctx = StepContext()
-        self.ctx.install(module)
+        self.ctx = StepContext.of(module)
         self._caller = _StepCaller(module, self.ctx)
         self._fwd = vmap(self._loss, in_dims=(0, 0, None, 0, 0, 0))
         # Learning rate per round from the model's scheduler (None: the optimizer's own, constant).
@@ -483,8 +482,7 @@ class LocalTrainer:
         """One client after the other with the user's own optimizer and ``backward`` (args as stacked)."""
         if self._worker is None:
             self._worker = copy.deepcopy(self.module)
-            self._worker_ctx = StepContext()
-            self._worker_ctx.install(self._worker)
+            self._worker_ctx = StepContext.of(self._worker)
         worker = self._worker
         params = dict(worker.named_parameters())
         wbuf = dict(worker.named_buffers())

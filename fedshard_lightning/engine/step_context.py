@@ -75,6 +75,22 @@ class StepContext:
         self.key: Tensor | None = None
         self.calls = 0
         self.logged: dict[str, Tensor] | None = None
+        self._owner = 0
+
+    @classmethod
+    def of(cls, module: nn.Module) -> StepContext:
+        """The module's context, installed once: every engine over one module shares it.
+
+        A deep copy of the module (the loop's worker) carries the copied context but closures over
+        the original, so a copy gets a fresh context (the owner id tells them apart).
+        """
+        ctx = module.__dict__.get("_fedshard_step_ctx")
+        if not isinstance(ctx, cls) or ctx._owner != id(module):
+            ctx = cls()
+            ctx.install(module)
+            ctx._owner = id(module)
+            object.__setattr__(module, "_fedshard_step_ctx", ctx)
+        return ctx
 
     def begin(self, key: Tensor | None) -> None:
         """Start a training step with this client key (0-d, batched under vmap) and no logs yet."""

@@ -228,3 +228,12 @@ def test_readme_own_model_example_runs_as_written(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     exec(compile(code[0], "README.md", "exec"), {"__name__": "readme_example"})
     assert list(tmp_path.glob("lightning_logs/version_0/model.safetensors"))
+
+
+def test_engines_over_one_module_share_its_step_context():
+    """A second engine (e.g. an algorithm's calibration engine) must not unhook the first one's keys."""
+    first = _engine(DropoutCNN, (1, 8, 8), "always")
+    FederatedEngine(first.module, first.dm, LocalSchedule(batch_size=5), seed=1, vectorize="always")
+    res = _fit(first)
+    assert first.mode == "stacked"  # dropout still keyed under vmap, no fallback to the loop
+    assert set(res.history[0].metrics) == LOGGED[DropoutCNN]
