@@ -26,7 +26,7 @@ from fedshard_lightning.engine.local import ClientBatch, Kernel, LocalResult, Lo
 from fedshard_lightning.engine.optim import OptimizerSpec, optimizer_spec
 from fedshard_lightning.engine.participants import KeyedSampling, ParticipantPolicy
 from fedshard_lightning.engine.schedule import LocalSchedule
-from fedshard_lightning.errors import ConfigError, NonFiniteLossError
+from fedshard_lightning.errors import ConfigError, ContractError, NonFiniteLossError
 
 __all__ = [
     "FederatedEngine",
@@ -398,7 +398,18 @@ class FederatedEngine:
             for lo in range(0, len(clients), self.chunk):
                 cl, ow = clients[lo : lo + self.chunk], owner[lo : lo + self.chunk]
                 own_t = torch.as_tensor(ow, device=next(iter(state.values())).device)
-                res = self._run_local(state, own_t, ClientBatch(cl, [groups[i].key for i in ow], stage, r))
+                try:
+                    res = self._run_local(
+                        state, own_t, ClientBatch(cl, [groups[i].key for i in ow], stage, r)
+                    )
+                except ValueError as err:
+                    if "Expected more than 1 value per channel" not in str(err):
+                        raise
+                    raise ContractError(
+                        f"{type(self.module).__name__}: a BatchNorm layer got a one-sample batch (stage {stage}, "
+                        f"round {r}; a client's last batch); use a batch size that leaves no client one "
+                        "sample, or nn.GroupNorm"
+                    ) from None
                 self._check_finite(res, cl, ow, groups, stage, r)
                 n = torch.as_tensor(self.sizes[cl], dtype=state[self.names[0]].dtype, device=own_t.device)
                 sums.add(res.params, n, ow)

@@ -237,3 +237,23 @@ def test_engines_over_one_module_share_its_step_context():
     res = _fit(first)
     assert first.mode == "stacked"  # dropout still keyed under vmap, no fallback to the loop
     assert set(res.history[0].metrics) == LOGGED[DropoutCNN]
+
+
+def test_one_sample_batchnorm_batch_is_a_one_line_error():
+    dm = SyntheticDataModule(
+        num_clients=2, partition="iid", num_samples=11, num_test=4, shape=(10,), num_classes_=4
+    )
+    dm.setup()
+
+    class BN1d(PlainMLP):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(
+                torch.nn.Linear(10, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 4)
+            )
+
+    m = BN1d()
+    bind_model(m, dm.input_shape, dm.num_classes)
+    eng = FederatedEngine(m, dm, LocalSchedule(batch_size=5), seed=1, vectorize="never")
+    with pytest.raises(ContractError, match=r"one-sample batch.*nn\.GroupNorm"):
+        eng.train_groups(stack_params([eng.module_params()]), [Group(0, (0, 1), 1)])
