@@ -42,7 +42,7 @@ from torch import Tensor, nn
 from fedshard_lightning.errors import ConfigError, ContractError
 from fedshard_lightning.init_args import RecordsInitArgs
 
-__all__ = ["FederatedModule", "bind_model", "check_trainable", "param_dtype"]
+__all__ = ["FederatedModule", "bind_model", "check_trainable", "client_buffer_names", "param_dtype"]
 
 
 class FederatedModule(RecordsInitArgs, L.LightningModule):
@@ -144,6 +144,18 @@ def param_dtype(model: nn.Module) -> torch.dtype:
         if p.is_floating_point() and not isinstance(p, nn.parameter.UninitializedParameter):
             return p.dtype
     return torch.get_default_dtype()
+
+
+def client_buffer_names(module: nn.Module) -> list[str]:
+    """Buffers each client keeps its own copy of: the running statistics of BatchNorm layers.
+
+    Other buffers (constants a model registers) are shared, unstacked, as the model holds them.
+    """
+    out = []
+    for name, sub in module.named_modules():
+        if isinstance(sub, nn.modules.batchnorm._BatchNorm) and sub.track_running_stats:
+            out += [f"{name}.running_mean", f"{name}.running_var"]
+    return out
 
 
 def check_trainable(model: nn.Module) -> None:

@@ -25,8 +25,10 @@ from fedshard_lightning.engine.aggregate import GroupSums
 from fedshard_lightning.engine.local import ClientBatch, Kernel, LocalResult, LocalTrainer, RandomInStep
 from fedshard_lightning.engine.optim import OptimizerSpec, optimizer_spec
 from fedshard_lightning.engine.participants import KeyedSampling, ParticipantPolicy
+from fedshard_lightning.engine.path_choice import choose_path
 from fedshard_lightning.engine.schedule import LocalSchedule
 from fedshard_lightning.errors import ConfigError, ContractError, NonFiniteLossError
+from fedshard_lightning.module import client_buffer_names
 
 __all__ = [
     "FederatedEngine",
@@ -83,18 +85,6 @@ class TrainResult:
     rounds_run: list[int]
     seconds: float
     history: list[RoundInfo]
-
-
-def client_buffer_names(module: nn.Module) -> list[str]:
-    """Buffers each client keeps its own copy of: the running statistics of BatchNorm layers.
-
-    Other buffers (constants a model registers) are shared, unstacked, as the model holds them.
-    """
-    out = []
-    for name, sub in module.named_modules():
-        if isinstance(sub, nn.modules.batchnorm._BatchNorm) and sub.track_running_stats:
-            out += [f"{name}.running_mean", f"{name}.running_var"]
-    return out
 
 
 def stack_params(models: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
@@ -292,51 +282,9 @@ class FederatedEngine:
         return 64 if cuda else 8  # constant: a block that followed the chunk size would vary with it
 
     def _probe(self, start: dict[str, Tensor], batch: ClientBatch) -> str:
-        """Time two local steps per client both ways (results discarded); keep the cheaper.
-
-        The stacked kernel runs up to 8 clients (its cost per client falls with more clients, so
-        this is conservative) and the loop 2 (its cost is linear in clients); each is timed twice,
-        interleaved, and its best time per client counts, so one preempted run on a busy machine
-        does not decide. The issue-7 digits profile spent 88 ms here with 8 looped clients.
-        """
-        k = min(len(batch.clients), 8)
-        sizes = {"stacked": k, "loop": min(k, 2)}
-        runs = {
-            "stacked": (
-                self.local.train_stacked,
-                ClientBatch(batch.clients[:k], batch.groups[:k], batch.stage, batch.round),
-            ),
-            "loop": (
-                self.local.train_loop,
-                ClientBatch(
-                    batch.clients[: sizes["loop"]], batch.groups[: sizes["loop"]], batch.stage, batch.round
-                ),
-            ),
-        }
-        full = self.local.schedule
-        self.local.schedule = LocalSchedule(batch_size=full.batch_size, local_steps=2)
-        per_client = dict.fromkeys(runs, math.inf)
-        try:
-            try:
-                for mode, (fn, sub) in runs.items():
-                    fn({n: v[: sizes[mode]] for n, v in start.items()}, sub)  # warm-up (builds the kernels)
-            except RandomInStep as err:
-                self.mode_reason = f"vectorize: auto; {err}; the loop seeds each client step by its key"
-                return "loop"
-            for _ in range(2):
-                for mode, (fn, sub) in runs.items():
-                    sub_start = {n: v[: sizes[mode]] for n, v in start.items()}
-                    t = time.perf_counter()
-                    fn(sub_start, sub)
-                    per_client[mode] = min(per_client[mode], (time.perf_counter() - t) / sizes[mode])
-        finally:
-            self.local.schedule = full
-        best = min(per_client, key=per_client.get)
-        ms = {k: f"{1e3 * v:.2f}" for k, v in per_client.items()}
-        self.mode_reason = (
-            f"vectorize: auto; timed {ms['stacked']} ms/client stacked vs {ms['loop']} ms/client loop"
-        )
-        return best
+        """``vectorize: auto``: time both paths on this model (:func:`.path_choice.choose_path`)."""
+        mode, self.mode_reason = choose_path(self.local, start, batch)
+        return mode
 
     def set_mode(self, mode: str) -> None:
         """Fix the local-training path (``stacked`` or ``loop``), e.g. the one a cached run used."""

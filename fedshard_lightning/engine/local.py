@@ -16,9 +16,7 @@ per distinct batch size at that step.
 from __future__ import annotations
 
 import copy
-import enum
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -28,37 +26,23 @@ from torch.func import functional_call, vmap
 
 from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.engine.chain import StackedChain
-from fedshard_lightning.engine.optim import (
-    OptimizerSpec,
-    RoundLR,
-    normalize_optimizer,
-    round_lr,
-    shrink_optimizer,
-)
+from fedshard_lightning.engine.client_loop import ClientBatch, LocalResult, run_client_loop
+from fedshard_lightning.engine.optim import OptimizerSpec, RoundLR, round_lr, shrink_optimizer
 from fedshard_lightning.engine.schedule import LocalSchedule
-from fedshard_lightning.engine.stacked import ConvMode, StackedProgram, Unsupported, probe_params
-from fedshard_lightning.engine.step_context import StepContext, step_keys
-from fedshard_lightning.errors import ContractError
+from fedshard_lightning.engine.stacked import (
+    ConvMode,
+    Kernel,
+    KernelChoice,
+    StackedProgram,
+    Unsupported,
+    probe_params,
+)
+from fedshard_lightning.engine.step_context import RandomInStep, StepContext, step_keys, step_loss
 from fedshard_lightning.module import FederatedModule
 
 __all__ = ["ClientBatch", "Kernel", "KernelChoice", "LocalTrainer", "RandomInStep", "step_loss"]
 
 _PREFIX = "m."
-
-
-def step_loss(out: Any, owner: str) -> Tensor:
-    """The loss of what ``training_step`` returned (a tensor, or Lightning's ``{"loss": ...}``)."""
-    if isinstance(out, dict):
-        out = out.get("loss")
-    if not isinstance(out, Tensor) or out.numel() != 1:
-        raise ContractError(
-            f"{owner}.training_step must return the scalar loss (or {{'loss': loss}}), got {type(out).__name__}"
-        )
-    return out.reshape(())
-
-
-class RandomInStep(Exception):
-    """The training step draws random numbers that cannot be keyed per client under ``vmap``."""
 
 
 class _StepCaller(nn.Module):
@@ -79,45 +63,6 @@ class _StepCaller(nn.Module):
         finally:
             logged = self.ctx.end()
         return loss, logged
-
-
-class Kernel(enum.Enum):
-    """The stacked kernel family in use, fastest first."""
-
-    CHAIN = "fx+chain"  # hand-written forward and backward (engine/chain.py)
-    FX = "fx"  # the fx rewrite of per_sample_loss, autograd backward (engine/stacked.py)
-    VMAP = "vmap"  # torch.func.vmap of the user's training_step
-
-
-@dataclass(frozen=True)
-class KernelChoice:
-    """Which stacked kernel runs, and why not a faster one (empty for the fastest)."""
-
-    kernel: Kernel
-    reason: str = ""
-
-    def __str__(self) -> str:
-        return self.kernel.value + (f" ({self.reason})" if self.reason else "")
-
-
-@dataclass
-class ClientBatch:
-    """The clients of one local-training call and where their randomness comes from."""
-
-    clients: list[int]
-    groups: list[int]
-    stage: int
-    round: int
-
-
-@dataclass
-class LocalResult:
-    """Final parameters [m, ...] by name, steps per client, summed loss and logged values per client."""
-
-    params: dict[str, Tensor]
-    steps: np.ndarray
-    loss_sum: Tensor
-    logs: dict[str, Tensor] = field(default_factory=dict)
 
 
 class LocalTrainer:
@@ -483,61 +428,6 @@ class LocalTrainer:
         if self._worker is None:
             self._worker = copy.deepcopy(self.module)
             self._worker_ctx = StepContext.of(self._worker)
-        worker = self._worker
-        params = dict(worker.named_parameters())
-        wbuf = dict(worker.named_buffers())
-        params.update({n: wbuf[n] for n in self.buffer_names})  # copied in and out like parameters
         gidx_all, size_all, steps = self.schedules(batch)
-        device = next(iter(start.values())).device
-        m_all = len(batch.clients)
-        src = list(range(m_all)) if rows is None else rows.tolist()
-        out = {n: start[n].new_empty((m_all, *start[n].shape[1:])) for n in self.names + self.buffer_names}
-        loss_sum = torch.zeros(m_all, dtype=self.dtype, device=device)
-        logs: dict[str, Tensor] = {}
-        keys = self.keys(batch, size_all.shape[1] if size_all.ndim == 2 else 0)
-        keys_t = torch.as_tensor(keys, device=device)  # one copy per call, not one per step
-        gen = (
-            torch.cuda.default_generators[
-                device.index if device.index is not None else torch.cuda.current_device()
-            ]
-            if device.type == "cuda"
-            else torch.default_generator
-        )
-        owner = type(worker).__name__
-        rng_devices = [device] if device.type == "cuda" else []
-        worker._in_federated_step = True
-        try:
-            with torch.random.fork_rng(devices=rng_devices):  # the user's global stream is left as it was
-                for i in range(len(batch.clients)):
-                    with torch.no_grad():
-                        for n in self.names + self.buffer_names:
-                            params[n].copy_(start[n][src[i]])
-                    if self.loop_uses_spec:
-                        opt = self.spec.build(params)
-                    else:
-                        opt = normalize_optimizer(worker.configure_optimizers(), owner)
-                        if self.lr_at is not None:
-                            RoundLR.apply(opt, self.lr_at(batch.round))
-                    gidx = torch.as_tensor(gidx_all[i], device=device)
-                    for s, size in enumerate(size_all[i, : steps[i]].tolist()):
-                        x, y = self.dm.gather(gidx[s, :size], self.dtype)
-                        opt.zero_grad(set_to_none=True)
-                        # Random ops outside nn.Dropout draw from the device's generator, keyed by
-                        # the client step (the generator alone: torch.manual_seed costs ~100x more).
-                        gen.manual_seed(int(keys[i, s]))
-                        self._worker_ctx.begin(keys_t[i, s])
-                        try:
-                            loss = step_loss(worker.training_step((x, y), s), owner)
-                        finally:
-                            logged = self._worker_ctx.end()
-                        loss.backward()
-                        opt.step()
-                        loss_sum[i] += loss.detach()
-                        for k, v in logged.items():
-                            logs.setdefault(k, torch.zeros(m_all, dtype=self.dtype, device=device))[i] += v
-                    with torch.no_grad():
-                        for n in self.names + self.buffer_names:
-                            out[n][i].copy_(params[n])
-        finally:
-            worker._in_federated_step = False
+        out, loss_sum, logs = run_client_loop(self, start, batch, rows, gidx_all, size_all, steps)
         return LocalResult(out, steps, loss_sum, logs)

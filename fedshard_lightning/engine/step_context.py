@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from fedshard_lightning.engine.keys import keyed_uniform_bits
 from fedshard_lightning.errors import ContractError
 
-__all__ = ["StepContext", "keyed_uniform", "step_keys"]
+__all__ = ["RandomInStep", "StepContext", "keyed_uniform", "step_keys", "step_loss"]
 
 _M32 = 0xFFFFFFFF
 _STEP_COUNTER = 1 << 40  # step keys use counters far above the schedule's shuffling draws
@@ -49,6 +49,21 @@ def step_keys(
         _STEP_COUNTER + np.arange(steps, dtype=np.int64)[None, :],
     )
     return (bits & np.uint64(_M32)).astype(np.int64)
+
+
+def step_loss(out: Any, owner: str) -> Tensor:
+    """The loss of what ``training_step`` returned (a tensor, or Lightning's ``{"loss": ...}``)."""
+    if isinstance(out, dict):
+        out = out.get("loss")
+    if not isinstance(out, Tensor) or out.numel() != 1:
+        raise ContractError(
+            f"{owner}.training_step must return the scalar loss (or {{'loss': loss}}), got {type(out).__name__}"
+        )
+    return out.reshape(())
+
+
+class RandomInStep(Exception):
+    """The training step draws random numbers that cannot be keyed per client under ``vmap``."""
 
 
 def _mix32(h: Tensor) -> Tensor:
