@@ -7,6 +7,7 @@ table reports medians and the stacked/loop ratio.
     python benchmarks/engine_vs_loop.py                   # digits MLP and MNIST-shaped CNN, 64 clients
     python benchmarks/engine_vs_loop.py --suite full      # the issue-7 grid
     python benchmarks/engine_vs_loop.py --suite gpu --device cuda   # the issue-19 grid on a GPU
+    python benchmarks/engine_vs_loop.py --suite user      # issue 15: BatchNorm + dropout models
 """
 
 from __future__ import annotations
@@ -16,13 +17,65 @@ import statistics
 import time
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from fedshard_lightning.data import DigitsDataModule, SyntheticDataModule
 from fedshard_lightning.engine import FederatedEngine, Group, LocalSchedule, stack_params
 from fedshard_lightning.engine.allocator import configure_process
-from fedshard_lightning.models import MLP, FedAvgCNN, ResNetGN
+from fedshard_lightning.models import MLP, FedAvgCNN, ResNet18BN, ResNetGN
+from fedshard_lightning.module import FederatedModule
 
-WORKLOADS = ("digits-mlp", "mnist-2nn", "mnist-cnn", "cifar-cnn", "cifar-resnetgn")
+WORKLOADS = (
+    "digits-mlp",
+    "mnist-2nn",
+    "mnist-cnn",
+    "cifar-cnn",
+    "cifar-resnetgn",
+    "cifar-bncnn",
+    "cifar-resnet18bn",
+)
+
+
+class BNDropoutCNN(FederatedModule):
+    """FedAvgCNN's layout as a Lightning user writes it: BatchNorm, dropout, self.log, a scheduler."""
+
+    def configure_model(self) -> None:
+        """Two conv-BN-ReLU-pool blocks, a dense layer with dropout, the classifier."""
+        if getattr(self, "net", None) is None:
+            self.net = nn.Sequential(
+                nn.Conv2d(self.input_shape[0], 32, 5, padding=2),
+                nn.BatchNorm2d(32),
+                nn.ReLU(),
+                nn.MaxPool2d(2),
+                nn.Conv2d(32, 64, 5, padding=2),
+                nn.BatchNorm2d(64),
+                nn.ReLU(),
+                nn.MaxPool2d(2),
+                nn.Flatten(),
+                nn.LazyLinear(512),
+                nn.ReLU(),
+                nn.Dropout(0.25),
+                nn.Linear(512, self.num_classes),
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits."""
+        return self.net(x)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int = 0) -> torch.Tensor:
+        """Cross entropy, logged."""
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("client_loss", loss)
+        return loss
+
+    def configure_optimizers(
+        self,
+    ) -> tuple[list[torch.optim.Optimizer], list[torch.optim.lr_scheduler.LRScheduler]]:
+        """SGD with a per-round StepLR."""
+        opt = torch.optim.SGD(self.parameters(), lr=self.lr)
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.5)]
 
 
 def workload(name: str, clients: int, device: str = "cpu"):
@@ -54,6 +107,13 @@ def workload(name: str, clients: int, device: str = "cpu"):
             as_uint8=True,
         )
         model = ResNetGN(depth=20, width=16, groups=4, lr=0.05)
+    elif name in ("cifar-bncnn", "cifar-resnet18bn"):  # issue 15: BatchNorm + dropout, CIFAR-10-shaped
+        dm = SyntheticDataModule(
+            num_clients=clients, partition="iid", num_samples=50 * clients, shape=(3, 32, 32), as_uint8=True
+        )
+        # ResNet-18 at width 16 on CPU (a quarter of the usual 64 channels), full width on a GPU.
+        width = 64 if device.startswith("cuda") else 16
+        model = BNDropoutCNN(lr=0.05) if name == "cifar-bncnn" else ResNet18BN(width=width, lr=0.05)
     else:
         raise ValueError(name)
     dm.setup()
@@ -107,7 +167,7 @@ def time_mode(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--suite", choices=["issue2", "full", "gpu"], default="issue2")
+    ap.add_argument("--suite", choices=["issue2", "full", "gpu", "user"], default="issue2")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--workloads", nargs="*", choices=WORKLOADS, help="restrict the suite to these")
     ap.add_argument("--clients", nargs="*", type=int, help="restrict the suite to these K")
@@ -142,6 +202,8 @@ def main() -> None:
             ]
             for b in (10, 50)
         ]
+    elif args.suite == "user":
+        grid = [("cifar-bncnn", 64, 10), ("cifar-resnet18bn", 64, 10)]
     elif args.suite == "gpu":
         grid = [
             (name, k, 10)

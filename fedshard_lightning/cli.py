@@ -15,11 +15,11 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
+import lightning as L
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.errors import ConfigError, FedShardError
-from fedshard_lightning.module import FederatedModule
 from fedshard_lightning.trainer import FederatedTrainer
 
 __all__ = ["FederatedCLI", "main"]
@@ -150,7 +150,7 @@ class FederatedCLI(LightningCLI):
     """LightningCLI whose trainer is a :class:`FederatedTrainer` (not a Lightning Trainer)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("model_class", FederatedModule)
+        kwargs.setdefault("model_class", L.LightningModule)
         kwargs.setdefault("datamodule_class", FederatedDataModule)
         kwargs.setdefault("subclass_mode_model", True)
         kwargs.setdefault("subclass_mode_data", True)

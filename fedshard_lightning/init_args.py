@@ -74,11 +74,11 @@ class RecordsInitArgs:
 
 def init_args(obj: Any) -> dict[str, Any]:
     """``{class_path, init_args}`` of an object (its init args when it records them)."""
-    return (
-        jsonable(obj)
-        if isinstance(getattr(obj, "_init_args", None), dict)
-        else {
-            "class_path": f"{type(obj).__module__}.{type(obj).__qualname__}",
-            "init_args": {},
-        }
-    )
+    if isinstance(getattr(obj, "_init_args", None), dict):
+        return jsonable(obj)
+    # A plain LightningModule records its arguments only through save_hyperparameters().
+    hparams = getattr(obj, "hparams", None)
+    return {
+        "class_path": f"{type(obj).__module__}.{type(obj).__qualname__}",
+        "init_args": jsonable(dict(hparams)) if hparams else {},
+    }

@@ -56,7 +56,7 @@ class TrainerEvents(LoopEvents):
         t = self.trainer
 
         def make_engine(schedule: LocalSchedule, client_fraction: float) -> FederatedEngine:
-            return FederatedEngine(
+            engine = FederatedEngine(
                 t.module,
                 t.datamodule,
                 schedule,
@@ -68,6 +68,8 @@ class TrainerEvents(LoopEvents):
                 batch_invariant=t.batch_invariant,
                 compile=t.compile,
             )
+            engine.on_mode = t._print
+            return engine
 
         return AlgorithmContext(
             make_engine=make_engine,
@@ -109,6 +111,8 @@ class TrainerEvents(LoopEvents):
             avg = sample_weighted_average(state, [g.clients for g in groups], sizes)
             acc, loss = t.evaluate(avg)
             metrics.update(test_accuracy=acc, test_loss=loss)
+        for name, value in info.metrics.items():  # what training_step logged (engine names win)
+            metrics.setdefault(name, value)
         metrics["global_round"] = float(self.global_round)
         t.history.append(metrics)
         t.fabric.call("on_round_end", t, info=info, metrics=metrics)

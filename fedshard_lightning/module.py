@@ -1,18 +1,16 @@
-"""The model contract of fedshard_lightning: a LightningModule that the engine can vectorize.
+"""The model contract of fedshard_lightning: a LightningModule that the engine can train per client.
 
-The engine trains many clients at once by stacking their parameters and calling the model under
-``torch.func.vmap``. That works for any model whose training step is a pure function of its
-parameters and the batch. :class:`FederatedModule` states the contract and checks what can be
-checked:
+Any ``lightning.LightningModule`` with ``forward``, ``training_step`` and ``configure_optimizers``
+trains federatedly (:func:`bind_model` prepares it; ``docs/architecture.md``, "Seams", says what a
+step may do: ``self.log``, ``nn.Dropout``, BatchNorm, one round-based LR scheduler).
+:class:`FederatedModule` adds what makes the engine fastest and configs shortest:
 
-* ``forward(x)`` maps a batch of inputs to logits.
-* ``training_step(batch, batch_idx)`` returns a scalar loss and logs nothing (it runs under vmap;
-  ``self.log`` there raises :class:`~fedshard_lightning.errors.ContractError`). The default
-  averages :meth:`per_sample_loss`.
+* ``forward(x)`` maps a batch of inputs to logits; layers are built in ``configure_model`` once
+  the data's ``input_shape`` and ``num_classes`` are known.
+* ``training_step(batch, batch_idx)`` returns the scalar loss. The default averages
+  :meth:`per_sample_loss`, which the engine rewrites into batched kernels (no ``vmap``).
 * ``configure_optimizers()`` returns one element-wise torch optimizer (SGD, Adam, AdamW, ...),
-  without a learning-rate scheduler; the engine re-creates it fresh in every round.
-* Layers must not keep running statistics (use GroupNorm, not BatchNorm) and must not draw random
-  numbers in the training step (no dropout), so that a client's result is a function of its data.
+  optionally with one LR scheduler, stepped once per communication round.
 
 Subclass example (a new model is a class plus a config entry)::
 
@@ -34,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Literal
 
 import lightning as L
 import torch
@@ -44,7 +42,7 @@ from torch import Tensor, nn
 from fedshard_lightning.errors import ConfigError, ContractError
 from fedshard_lightning.init_args import RecordsInitArgs
 
-__all__ = ["FederatedModule"]
+__all__ = ["FederatedModule", "bind_model", "check_trainable", "client_buffer_names", "param_dtype"]
 
 
 class FederatedModule(RecordsInitArgs, L.LightningModule):
@@ -101,10 +99,7 @@ class FederatedModule(RecordsInitArgs, L.LightningModule):
     @property
     def param_dtype(self) -> torch.dtype:
         """Floating dtype of the parameters (float32 unless the user converted the model)."""
-        for p in self.parameters():
-            if p.is_floating_point() and not isinstance(p, nn.parameter.UninitializedParameter):
-                return p.dtype
-        return torch.get_default_dtype()
+        return param_dtype(self)
 
     # -- the contract ----------------------------------------------------------------------------
     def per_sample_loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
@@ -142,20 +137,73 @@ class FederatedModule(RecordsInitArgs, L.LightningModule):
         """Ordinary Lightning test (outside the federated engine)."""
         return self._eval_step(batch, "test")
 
-    def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        """Lightning's ``log``, refused inside the federated training step."""
-        if self._in_federated_step:
-            raise ContractError(
-                f"{type(self).__name__}.training_step calls self.log({name!r}): the federated training step runs "
-                "under vmap and must be pure; remove the call (the engine logs client losses itself)"
-            )
-        super().log(name, value, *args, **kwargs)
 
-    def log_dict(self, dictionary: Any, *args: Any, **kwargs: Any) -> None:
-        """Lightning's ``log_dict``, refused inside the federated training step."""
-        if self._in_federated_step:
+def param_dtype(model: nn.Module) -> torch.dtype:
+    """Floating dtype of a model's parameters (any LightningModule, not only FederatedModule)."""
+    for p in model.parameters():
+        if p.is_floating_point() and not isinstance(p, nn.parameter.UninitializedParameter):
+            return p.dtype
+    return torch.get_default_dtype()
+
+
+def client_buffer_names(module: nn.Module) -> list[str]:
+    """Buffers each client keeps its own copy of: the running statistics of BatchNorm layers.
+
+    Other buffers (constants a model registers) are shared, unstacked, as the model holds them.
+    """
+    out = []
+    for name, sub in module.named_modules():
+        if isinstance(sub, nn.modules.batchnorm._BatchNorm) and sub.track_running_stats:
+            out += [f"{name}.running_mean", f"{name}.running_var"]
+    return out
+
+
+def check_trainable(model: nn.Module) -> None:
+    """Refuse, in one line naming the layer and the fix, what federated training cannot replay.
+
+    BatchNorm's running statistics are stacked per client and averaged like parameters, with
+    an exponential average (``momentum``). ``momentum=None`` (a cumulative average) counts the
+    batches seen in ``num_batches_tracked``, which is not stacked, so it is refused.
+    """
+    owner = type(model).__name__
+    for name, sub in model.named_modules():
+        if (
+            isinstance(sub, nn.modules.batchnorm._BatchNorm)
+            and sub.track_running_stats
+            and sub.momentum is None
+        ):
             raise ContractError(
-                f"{type(self).__name__}.training_step calls self.log_dict: the federated training step must be "
-                "pure; remove the call"
+                f"{owner}: layer {name} ({type(sub).__name__}) uses momentum=None (a cumulative average over "
+                "batches), which federated training cannot stack per client; set momentum=0.1"
             )
-        super().log_dict(dictionary, *args, **kwargs)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ContractError(f"{owner} has no trainable parameters")
+
+
+def bind_model(model: L.LightningModule, input_shape: Sequence[int], num_classes: int) -> None:
+    """Make a model ready for the engine: shapes from the data, lazy layers built, contract checked.
+
+    A :class:`FederatedModule` takes its open shapes from the data (``bind_data``); a plain
+    LightningModule builds its layers itself (``__init__`` or ``configure_model``) and gets one
+    dry run on a zero batch, which materialises lazy layers and checks that ``forward`` accepts
+    the datamodule's samples.
+    """
+    if isinstance(model, FederatedModule):
+        model.bind_data(input_shape, num_classes)
+    else:
+        model.configure_model()
+        owner = type(model).__name__
+        was_training = model.training
+        try:
+            with torch.no_grad():
+                model.eval()
+                model(torch.zeros(2, *input_shape, dtype=param_dtype(model)))
+        except Exception as err:  # the user's forward may raise anything
+            msg = " ".join(str(err).split())[:200]
+            raise ContractError(
+                f"{owner}.forward fails on a batch of shape {(2, *input_shape)} from the datamodule "
+                f"({type(err).__name__}: {msg}); make forward accept it"
+            ) from None
+        finally:
+            model.train(was_training)
+    check_trainable(model)

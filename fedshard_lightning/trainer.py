@@ -31,7 +31,7 @@ from fedshard_lightning.errors import CacheError, ConfigError, FedShardError
 from fedshard_lightning.fingerprint import fingerprint
 from fedshard_lightning.loggers import run_loggers, wandb_state
 from fedshard_lightning.loop import TrainerEvents, launch_fabric, load_run, run_fit
-from fedshard_lightning.module import FederatedModule
+from fedshard_lightning.module import bind_model, param_dtype
 from fedshard_lightning.requests import apply_request
 from fedshard_lightning.run_dir import (
     existing_run_dir,
@@ -188,7 +188,7 @@ class FederatedTrainer:
         self.numerics_notes: list[str] = []
         self.config_yaml: str | None = None
         self.fabric: L.Fabric | None = None
-        self.module: FederatedModule | None = None
+        self.module: L.LightningModule | None = None
         self.datamodule: FederatedDataModule | None = None
         self.run_dir: Path | None = None
         self.store: RunStore | None = None
@@ -236,10 +236,13 @@ class FederatedTrainer:
                 sys.stderr.write(warning + "\n")
 
     def _setup(
-        self, model: FederatedModule, datamodule: FederatedDataModule, run_dir: Path, command: str
+        self, model: L.LightningModule, datamodule: FederatedDataModule, run_dir: Path, command: str
     ) -> None:
-        if not isinstance(model, FederatedModule):
-            raise ConfigError(f"model: expected a FederatedModule subclass, got {type(model).__name__}")
+        if not isinstance(model, L.LightningModule):
+            raise ConfigError(
+                f"model: expected a lightning.LightningModule (forward, training_step, configure_optimizers), "
+                f"got {type(model).__name__}"
+            )
         if not isinstance(datamodule, FederatedDataModule):
             raise ConfigError(
                 f"data: expected a FederatedDataModule subclass, got {type(datamodule).__name__}"
@@ -260,7 +263,7 @@ class FederatedTrainer:
         datamodule.setup("fit")
         self.client_sizes = [int(n) for n in datamodule.client_sizes]  # O(K): once, not every round
         torch.manual_seed(self.seed)
-        model.bind_data(datamodule.input_shape, datamodule.num_classes)
+        bind_model(model, datamodule.input_shape, datamodule.num_classes)
         self.module = self.fabric.strategy.precision.convert_module(model).to(self.device)
         datamodule.to(self.device)
         self._test_data = None
@@ -273,11 +276,11 @@ class FederatedTrainer:
     def evaluate(self, params: dict[str, Tensor]) -> tuple[float, float]:
         """Test accuracy and loss of a model given by its parameters."""
         if self._test_data is None:
-            self._test_data = self.datamodule.test_data(self.module.param_dtype)
+            self._test_data = self.datamodule.test_data(param_dtype(self.module))
         return evaluate(self.module, params, *self._test_data)
 
     def _set_params(self, params: dict[str, Tensor]) -> None:
-        named = dict(self.module.named_parameters())
+        named = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
         with torch.no_grad():
             for k, v in params.items():
                 named[k].copy_(v)
@@ -293,7 +296,7 @@ class FederatedTrainer:
     # -- subcommands -----------------------------------------------------------------------------
     def fit(
         self,
-        model: FederatedModule,
+        model: L.LightningModule,
         datamodule: FederatedDataModule,
         ckpt_path: str | None = None,
         exclude_clients: list[int] | None = None,
@@ -327,7 +330,7 @@ class FederatedTrainer:
             raise
 
     def _load_run(
-        self, model: FederatedModule, datamodule: FederatedDataModule, ckpt_path: str, command: str
+        self, model: L.LightningModule, datamodule: FederatedDataModule, ckpt_path: str, command: str
     ) -> None:
         run_dir = existing_run_dir(ckpt_path, command)
         self._setup(model, datamodule, run_dir, command)
@@ -335,7 +338,7 @@ class FederatedTrainer:
         self.log_step_start = int(wandb_state(run_dir).get("step", 0))
 
     def test(
-        self, model: FederatedModule, datamodule: FederatedDataModule, ckpt_path: str | None = None
+        self, model: L.LightningModule, datamodule: FederatedDataModule, ckpt_path: str | None = None
     ) -> dict[str, Any]:
         """Evaluate a finished run's current model on the test set.
 
@@ -376,7 +379,7 @@ class FederatedTrainer:
         return metrics
 
     def unlearn(
-        self, model: FederatedModule, datamodule: FederatedDataModule, ckpt_path: str, clients: list[int]
+        self, model: L.LightningModule, datamodule: FederatedDataModule, ckpt_path: str, clients: list[int]
     ) -> dict[str, Any]:
         """Unlearn clients from a finished run, retraining only what their data touched.
 
@@ -392,7 +395,11 @@ class FederatedTrainer:
             return apply_request(self, clients)
 
     def audit(
-        self, model: FederatedModule, datamodule: FederatedDataModule, ckpt_path: str, tolerance: float = 0.0
+        self,
+        model: L.LightningModule,
+        datamodule: FederatedDataModule,
+        ckpt_path: str,
+        tolerance: float = 0.0,
     ) -> dict[str, Any]:
         """Certify exact unlearning: recompute the model without every unlearned client and compare.
 

@@ -122,7 +122,8 @@ def test_fit_without_config_uses_digits_defaults(capsys):
         (["fit", "--trainer.algorithm.merge_rate", "1"], "merge_rate"),
         (["fit", "--trainer.algorithm.t0", "9", "--trainer.algorithm.t1", "3"], "t0"),
         (["fit", "--trainer.algorithm.batch_size", "0"], "batch_size"),
-        (["fit", "--model", "_models.LoggingMLP"], "self.log"),
+        (["fit", "--model", "_models.CumulativeBNMLP"], "momentum=None"),
+        (["fit", "--model", "_models.PlateauMLP"], "ReduceLROnPlateau"),
         (["fit", "--model", "_models.LBFGSMLP"], "LBFGS"),
         (["unlearn", "--ckpt_path", "/nonexistent/run", "--clients", "[1]"], "ckpt_path"),
     ],
@@ -293,3 +294,25 @@ def test_num_threads_is_applied_and_oversubscription_warned():
     assert oversubscription_warning(2, load=0.0, cores=2) is None
     with pytest.raises(Exception, match="num_threads"):
         FederatedTrainer(num_threads=0)
+
+
+def test_plain_lightning_module_by_class_path(run_root, capsys):
+    """A plain LightningModule (not FederatedModule) trains, says its path, logs its self.log values."""
+    args = ["fit", *TINY, "--model", "_models.PlainMLP", "--model.num_classes", "10"]
+    code, out, err = _run([*args, "--trainer.default_root_dir", str(run_root)], capsys)
+    assert code == 0, err
+    assert sum(line.startswith("local training: ") for line in out.splitlines()) >= 1
+    header = (run_root / "version_0" / "logs" / "metrics.csv").read_text().splitlines()[0]
+    assert "train_loss_logged" in header
+    code, out, err = _run(
+        [
+            "audit",
+            "--config",
+            str(run_root / "version_0" / "config.yaml"),
+            "--ckpt_path",
+            str(run_root / "version_0"),
+        ],
+        capsys,
+    )
+    assert code == 0, err
+    assert "audit PASSED" in out

@@ -22,13 +22,23 @@ from torch import Tensor, nn
 
 from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.engine.aggregate import GroupSums
-from fedshard_lightning.engine.local import ClientBatch, Kernel, LocalResult, LocalTrainer
+from fedshard_lightning.engine.local import ClientBatch, Kernel, LocalResult, LocalTrainer, RandomInStep
 from fedshard_lightning.engine.optim import OptimizerSpec, optimizer_spec
 from fedshard_lightning.engine.participants import KeyedSampling, ParticipantPolicy
+from fedshard_lightning.engine.path_choice import choose_path
 from fedshard_lightning.engine.schedule import LocalSchedule
-from fedshard_lightning.errors import ConfigError, NonFiniteLossError
+from fedshard_lightning.errors import ConfigError, ContractError, NonFiniteLossError
+from fedshard_lightning.module import client_buffer_names
 
-__all__ = ["FederatedEngine", "Group", "RoundInfo", "TrainResult", "stack_params", "unstack_params"]
+__all__ = [
+    "FederatedEngine",
+    "Group",
+    "RoundInfo",
+    "TrainResult",
+    "client_buffer_names",
+    "stack_params",
+    "unstack_params",
+]
 
 Vectorize = Literal["auto", "always", "never"]
 
@@ -62,6 +72,7 @@ class RoundInfo:
     start_params: dict[str, Tensor] | None = None
     client_params: dict[str, Tensor] | None = None
     client_ids: list[int] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -133,11 +144,18 @@ class FederatedEngine:
         self.vectorize = vectorize
         self.batch_invariant = bool(batch_invariant)
         self.names = [n for n, p in module.named_parameters() if p.requires_grad]
+        self.buffer_names = client_buffer_names(module)
         self.spec = optimizer_spec(module, self.names)
-        self.local = LocalTrainer(module, datamodule, schedule, self.spec, self.names, self.seed)
+        self.local = LocalTrainer(
+            module, datamodule, schedule, self.spec, self.names, self.seed, self.buffer_names
+        )
         self.local.compiled = bool(compile)
         self.sizes = np.asarray(datamodule.client_sizes, dtype=np.int64)
         self._mode: str | None = {"always": "stacked", "never": "loop"}.get(vectorize)
+        self.mode_reason = {"always": "vectorize: always", "never": "vectorize: never"}.get(vectorize, "")
+        # Called once with a one-line account of the path taken (e.g. the trainer's print).
+        self.on_mode: Callable[[str], None] | None = None
+        self._announced = False
         self.chunk = max_chunk_clients or self._chunk_from_budget(memory_budget_mb)
         self.policy: ParticipantPolicy = KeyedSampling(self.client_fraction, self.seed)
 
@@ -153,6 +171,7 @@ class FederatedEngine:
         new.local = copy.copy(self.local)
         new.spec = new.local.spec = spec
         new.local.loop_uses_spec = True
+        new.local.lr_at = None  # the new optimizer's own learning rates replace the model's scheduler
         return new
 
     def with_participants(self, policy: ParticipantPolicy) -> FederatedEngine:
@@ -169,9 +188,14 @@ class FederatedEngine:
         return isinstance(self.policy, KeyedSampling) and self.policy.everyone
 
     def module_params(self) -> dict[str, Tensor]:
-        """The module's current trainable parameters (detached copies)."""
-        named = dict(self.module.named_parameters())
-        return {n: named[n].detach().clone() for n in self.names}
+        """The module's current trainable parameters and client buffers (detached copies).
+
+        A model's state in the engine, in the algorithms and in the cache is this dict: the
+        running statistics of BatchNorm layers travel with the parameters, are averaged with the
+        same FedAvg weights, and are replayed exactly by unlearning.
+        """
+        named = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
+        return {n: named[n].detach().clone() for n in self.names + self.buffer_names}
 
     def _chunk_from_budget(self, budget_mb: float) -> int:
         p = next(self.module.parameters())
@@ -192,8 +216,29 @@ class FederatedEngine:
     def _run_local(self, state: dict[str, Tensor], rows: Tensor, batch: ClientBatch) -> LocalResult:
         if self._mode is None:
             self._mode = self._probe({k: v.index_select(0, rows) for k, v in state.items()}, batch)
-        if self._mode == "loop":
-            return self.local.train_loop(state, batch, rows)
+        if self._mode == "stacked":
+            try:
+                res = self._run_stacked(state, rows, batch)
+                self._announce()
+                return res
+            except RandomInStep as err:
+                self._mode, self.mode_reason = "loop", f"{err}; the loop seeds each client step by its key"
+        self._announce()
+        return self.local.train_loop(state, batch, rows)
+
+    @property
+    def mode_line(self) -> str:
+        """One line: which local-training path runs and why."""
+        if self._mode == "stacked":
+            return f"local training: stacked clients, kernel {self.local.program_status} ({self.mode_reason})"
+        return f"local training: per-client loop ({self.mode_reason})"
+
+    def _announce(self) -> None:
+        if not self._announced and self.on_mode is not None:
+            self._announced = True
+            self.on_mode(self.mode_line)
+
+    def _run_stacked(self, state: dict[str, Tensor], rows: Tensor, batch: ClientBatch) -> LocalResult:
         q = self.invariant_block()
         if q is None:
             return self.local.train_stacked(state, batch, rows)
@@ -212,9 +257,10 @@ class FederatedEngine:
         if len(parts) == 1 and parts[0][1] == q:
             return parts[0][0]
         return LocalResult(
-            {k: torch.cat([r.params[k][:n] for r, n in parts]) for k in self.names},
+            {k: torch.cat([r.params[k][:n] for r, n in parts]) for k in parts[0][0].params},
             np.concatenate([r.steps[:n] for r, n in parts]),
             torch.cat([r.loss_sum[:n] for r, n in parts]),
+            {k: torch.cat([r.logs[k][:n] for r, n in parts]) for k in parts[0][0].logs},
         )
 
     def invariant_block(self) -> int | None:
@@ -236,48 +282,16 @@ class FederatedEngine:
         return 64 if cuda else 8  # constant: a block that followed the chunk size would vary with it
 
     def _probe(self, start: dict[str, Tensor], batch: ClientBatch) -> str:
-        """Time two local steps per client both ways (results discarded); keep the cheaper.
-
-        The stacked kernel runs up to 8 clients (its cost per client falls with more clients, so
-        this is conservative) and the loop 2 (its cost is linear in clients); each is timed twice,
-        interleaved, and its best time per client counts, so one preempted run on a busy machine
-        does not decide. The issue-7 digits profile spent 88 ms here with 8 looped clients.
-        """
-        k = min(len(batch.clients), 8)
-        sizes = {"stacked": k, "loop": min(k, 2)}
-        runs = {
-            "stacked": (
-                self.local.train_stacked,
-                ClientBatch(batch.clients[:k], batch.groups[:k], batch.stage, batch.round),
-            ),
-            "loop": (
-                self.local.train_loop,
-                ClientBatch(
-                    batch.clients[: sizes["loop"]], batch.groups[: sizes["loop"]], batch.stage, batch.round
-                ),
-            ),
-        }
-        full = self.local.schedule
-        self.local.schedule = LocalSchedule(batch_size=full.batch_size, local_steps=2)
-        per_client = dict.fromkeys(runs, math.inf)
-        try:
-            for mode, (fn, sub) in runs.items():
-                fn({n: v[: sizes[mode]] for n, v in start.items()}, sub)  # warm-up (builds the kernels)
-            for _ in range(2):
-                for mode, (fn, sub) in runs.items():
-                    sub_start = {n: v[: sizes[mode]] for n, v in start.items()}
-                    t = time.perf_counter()
-                    fn(sub_start, sub)
-                    per_client[mode] = min(per_client[mode], (time.perf_counter() - t) / sizes[mode])
-        finally:
-            self.local.schedule = full
-        return min(per_client, key=per_client.get)
+        """``vectorize: auto``: time both paths on this model (:func:`.path_choice.choose_path`)."""
+        mode, self.mode_reason = choose_path(self.local, start, batch)
+        return mode
 
     def set_mode(self, mode: str) -> None:
         """Fix the local-training path (``stacked`` or ``loop``), e.g. the one a cached run used."""
         if mode not in ("stacked", "loop"):
             raise ConfigError(f"vectorize mode {mode!r}: choose stacked or loop")
         self._mode = mode
+        self.mode_reason = "the path this run was trained with"
 
     @property
     def mode(self) -> str | None:
@@ -327,11 +341,23 @@ class FederatedEngine:
             weight = torch.zeros(G, dtype=torch.float64)
             loss_sum = torch.zeros(G, dtype=torch.float64)
             step_count = np.zeros(G, dtype=np.int64)
+            logged: dict[str, float] = {}
             kept: list[LocalResult] = []
             for lo in range(0, len(clients), self.chunk):
                 cl, ow = clients[lo : lo + self.chunk], owner[lo : lo + self.chunk]
                 own_t = torch.as_tensor(ow, device=next(iter(state.values())).device)
-                res = self._run_local(state, own_t, ClientBatch(cl, [groups[i].key for i in ow], stage, r))
+                try:
+                    res = self._run_local(
+                        state, own_t, ClientBatch(cl, [groups[i].key for i in ow], stage, r)
+                    )
+                except ValueError as err:
+                    if "Expected more than 1 value per channel" not in str(err):
+                        raise
+                    raise ContractError(
+                        f"{type(self.module).__name__}: a BatchNorm layer got a one-sample batch (stage {stage}, "
+                        f"round {r}; a client's last batch); use a batch size that leaves no client one "
+                        "sample, or nn.GroupNorm"
+                    ) from None
                 self._check_finite(res, cl, ow, groups, stage, r)
                 n = torch.as_tensor(self.sizes[cl], dtype=state[self.names[0]].dtype, device=own_t.device)
                 sums.add(res.params, n, ow)
@@ -339,6 +365,7 @@ class FederatedEngine:
                 weight.index_add_(0, own_cpu, torch.as_tensor(self.sizes[cl], dtype=torch.float64))
                 loss_sum.index_add_(0, own_cpu, res.loss_sum.detach().cpu().double())
                 np.add.at(step_count, ow, res.steps)
+                self._add_logged(logged, res, cl)
                 if keep_client_params:
                     kept.append(res)
             before = {k: v.clone() for k, v in state.items()} if keep_client_params else None
@@ -361,11 +388,12 @@ class FederatedEngine:
                 seconds=time.perf_counter() - tr,
                 start_params=before,
                 client_params=(
-                    {k: torch.cat([x.params[k] for x in kept]) for k in self.names}
+                    {k: torch.cat([x.params[k] for x in kept]) for k in self.names + self.buffer_names}
                     if keep_client_params
                     else None
                 ),
                 client_ids=clients,
+                metrics={k: v / max(float(self.sizes[clients].sum()), 1.0) for k, v in logged.items()},
             )
             history.append(info)
             if on_round_end is not None:
@@ -381,6 +409,19 @@ class FederatedEngine:
             seconds=time.perf_counter() - t0,
             history=history,
         )
+
+    def _add_logged(self, logged: dict[str, float], res: LocalResult, clients: list[int]) -> None:
+        """Add the sample-weighted per-client means of the values the training step logged.
+
+        A client's value in a round is the mean over its local steps; the round's value is the
+        FedAvg-weighted mean over the participants (divided by their total samples at the end).
+        """
+        if not res.logs:
+            return
+        n = torch.as_tensor(self.sizes[clients], dtype=torch.float64)
+        steps = torch.as_tensor(np.maximum(res.steps, 1), dtype=torch.float64)
+        for k, v in res.logs.items():
+            logged[k] = logged.get(k, 0.0) + float((n * v.detach().cpu().double() / steps).sum())
 
     @staticmethod
     def _check_finite(

@@ -11,8 +11,11 @@ __all__ = ["evaluate", "predict_logits"]
 
 @torch.no_grad()
 def predict_logits(module: nn.Module, params: dict[str, Tensor], x: Tensor, batch_size: int = 2048) -> Tensor:
-    """Logits of ``module`` with ``params`` on ``x``, in batches."""
-    buffers = dict(module.named_buffers())
+    """Logits of ``module`` with ``params`` on ``x``, in batches.
+
+    Eval mode: BatchNorm uses the running statistics in ``params`` (the aggregated ones).
+    """
+    buffers = {k: v for k, v in module.named_buffers() if k not in params}
     was_training = module.training
     module.eval()
     try:

@@ -16,9 +16,7 @@ per distinct batch size at that step.
 from __future__ import annotations
 
 import copy
-import enum
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -28,63 +26,43 @@ from torch.func import functional_call, vmap
 
 from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.engine.chain import StackedChain
-from fedshard_lightning.engine.optim import OptimizerSpec, normalize_optimizer, shrink_optimizer
+from fedshard_lightning.engine.client_loop import ClientBatch, LocalResult, run_client_loop
+from fedshard_lightning.engine.optim import OptimizerSpec, RoundLR, round_lr, shrink_optimizer
 from fedshard_lightning.engine.schedule import LocalSchedule
-from fedshard_lightning.engine.stacked import ConvMode, StackedProgram, Unsupported, probe_params
+from fedshard_lightning.engine.stacked import (
+    ConvMode,
+    Kernel,
+    KernelChoice,
+    StackedProgram,
+    Unsupported,
+    probe_params,
+)
+from fedshard_lightning.engine.step_context import RandomInStep, StepContext, step_keys, step_loss
 from fedshard_lightning.module import FederatedModule
 
-__all__ = ["ClientBatch", "Kernel", "KernelChoice", "LocalTrainer"]
+__all__ = ["ClientBatch", "Kernel", "KernelChoice", "LocalTrainer", "RandomInStep", "step_loss"]
 
 _PREFIX = "m."
 
 
 class _StepCaller(nn.Module):
-    """Makes ``training_step`` the forward of a module, so ``functional_call`` can swap parameters."""
+    """Makes ``training_step`` the forward of a module, so ``functional_call`` can swap parameters.
 
-    def __init__(self, module: nn.Module) -> None:
+    It returns the loss and the values the step logged, and gives the step its client's key.
+    """
+
+    def __init__(self, module: nn.Module, ctx: StepContext) -> None:
         super().__init__()
         self.m = module
+        self.ctx = ctx
 
-    def forward(self, x: Tensor, y: Tensor) -> Tensor:
-        return self.m.training_step((x, y), 0)
-
-
-class Kernel(enum.Enum):
-    """The stacked kernel family in use, fastest first."""
-
-    CHAIN = "fx+chain"  # hand-written forward and backward (engine/chain.py)
-    FX = "fx"  # the fx rewrite of per_sample_loss, autograd backward (engine/stacked.py)
-    VMAP = "vmap"  # torch.func.vmap of the user's training_step
-
-
-@dataclass(frozen=True)
-class KernelChoice:
-    """Which stacked kernel runs, and why not a faster one (empty for the fastest)."""
-
-    kernel: Kernel
-    reason: str = ""
-
-    def __str__(self) -> str:
-        return self.kernel.value + (f" ({self.reason})" if self.reason else "")
-
-
-@dataclass
-class ClientBatch:
-    """The clients of one local-training call and where their randomness comes from."""
-
-    clients: list[int]
-    groups: list[int]
-    stage: int
-    round: int
-
-
-@dataclass
-class LocalResult:
-    """Final parameters [m, ...] by name, steps per client and summed loss per client."""
-
-    params: dict[str, Tensor]
-    steps: np.ndarray
-    loss_sum: Tensor
+    def forward(self, x: Tensor, y: Tensor, key: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        self.ctx.begin(key)
+        try:
+            loss = step_loss(self.m.training_step((x, y), 0), type(self.m).__name__)
+        finally:
+            logged = self.ctx.end()
+        return loss, logged
 
 
 class LocalTrainer:
@@ -98,21 +76,29 @@ class LocalTrainer:
         spec: OptimizerSpec,
         names: Sequence[str],
         seed: int,
+        buffer_names: Sequence[str] = (),
     ) -> None:
         self.module = module
         self.dm = datamodule
         self.schedule = schedule
         self.spec = spec
         self.names = list(names)
+        # Buffers every client keeps its own copy of (BatchNorm running statistics), stacked like
+        # the parameters and updated in place by the training step.
+        self.buffer_names = list(buffer_names)
         self.seed = seed
         self.dtype = next(module.parameters()).dtype
-        self._caller = _StepCaller(module)
-        self._fwd = vmap(self._loss, in_dims=(0, None, 0, 0))
+        self.ctx = StepContext.of(module)
+        self._caller = _StepCaller(module, self.ctx)
+        self._fwd = vmap(self._loss, in_dims=(0, 0, None, 0, 0, 0))
+        # Learning rate per round from the model's scheduler (None: the optimizer's own, constant).
+        self.lr_at: RoundLR | None = round_lr(module)
         # The default training_step is a mean of per_sample_loss, which the fx kernels rewrite.
         self.maskable = isinstance(module, FederatedModule) and (
             type(module).training_step is FederatedModule.training_step
         )
         self._worker: nn.Module | None = None
+        self._worker_ctx = StepContext()
         # Stacked kernel: "auto" (hand-written chain, else fx program, else vmap), "fx" or "vmap".
         self.kernel = "auto"
         # Stacked convolutions: one grouped call (GPU) or one call per client (faster on CPU).
@@ -135,11 +121,13 @@ class LocalTrainer:
     def _loss(
         self,
         params: dict[str, Tensor],
+        client_buffers: dict[str, Tensor],
         buffers: dict[str, Tensor],
         x: Tensor,
         y: Tensor,
-    ) -> Tensor:
-        return functional_call(self._caller, (params, buffers), (x, y))
+        key: Tensor,
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        return functional_call(self._caller, (params, client_buffers, buffers), (x, y, key))
 
     @property
     def program_status(self) -> str | None:
@@ -167,7 +155,12 @@ class LocalTrainer:
                     except Unsupported as err:
                         self._chain, self.kernel_choice = None, KernelChoice(Kernel.FX, f"no chain: {err}")
             elif self.kernel != "vmap":
-                self.kernel_choice = KernelChoice(Kernel.VMAP, "training_step is overridden")
+                why = (
+                    "training_step is overridden"
+                    if isinstance(self.module, FederatedModule)
+                    else "a plain LightningModule"
+                )
+                self.kernel_choice = KernelChoice(Kernel.VMAP, why)
         return self._program
 
     def _maybe_compiled(self, key: str, fn: Any) -> Any:
@@ -178,12 +171,16 @@ class LocalTrainer:
             self._compiled[key] = torch.compile(fn, dynamic=False)
         return self._compiled[key]
 
-    def _fused_sgd_lr(self) -> dict[str, float] | None:
+    def spec_at(self, round_: int) -> OptimizerSpec:
+        """The client optimizer of round ``round_`` (the scheduler's learning rates, if any)."""
+        return self.spec if self.lr_at is None else self.spec.with_lrs(self.lr_at(round_))
+
+    def _fused_sgd_lr(self, spec: OptimizerSpec) -> dict[str, float] | None:
         """Learning rate by parameter when the client optimizer is plain SGD (fused into backward)."""
-        if self.spec.cls is not torch.optim.SGD:
+        if spec.cls is not torch.optim.SGD:
             return None
         lr = {}
-        for names, hp in self.spec.groups:
+        for names, hp in spec.groups:
             plain = (
                 hp.get("momentum", 0) == 0
                 and hp.get("weight_decay", 0) == 0
@@ -208,13 +205,17 @@ class LocalTrainer:
         x: Tensor,
         y: Tensor,
         mask: Tensor | None = None,
-    ) -> tuple[dict[str, Tensor], Tensor]:
-        """Per-client gradients: stacked forward, one backward of the summed client losses.
+        keys: Tensor | None = None,
+        client_buffers: dict[str, Tensor] | None = None,
+    ) -> tuple[dict[str, Tensor], Tensor, dict[str, Tensor]]:
+        """Per-client gradients, losses and logged values: stacked forward, one backward of the sum.
 
         Client c's loss depends only on its own parameter slice, so the gradient of the sum
-        with respect to that slice is exactly client c's gradient.
+        with respect to that slice is exactly client c's gradient. ``client_buffers`` [m, ...]
+        (running statistics) are updated in place, each client's row by its own batch.
         """
         prog = self.program()
+        logged: dict[str, Tensor] = {}
         with torch.enable_grad():
             if prog is not None:
                 per = self._maybe_compiled("fx", prog)(
@@ -222,9 +223,19 @@ class LocalTrainer:
                 )
                 losses = per.mean(1) if mask is None else (per * mask).sum(1) / mask.sum(1).clamp_min(1)
             else:
-                losses = self._fwd(leaves, buffers, x, y)
+                if keys is None:
+                    keys = torch.zeros(x.shape[0], dtype=torch.int64, device=x.device)
+                try:
+                    losses, logged = self._fwd(leaves, client_buffers or {}, buffers, x, y, keys)
+                except RuntimeError as err:
+                    if "randomness" in str(err):
+                        raise RandomInStep(
+                            "training_step draws random numbers outside nn.Dropout (e.g. F.dropout, "
+                            "torch.randn), which vmap cannot key per client"
+                        ) from None
+                    raise
             grads = torch.autograd.grad(losses.sum(), list(leaves.values()))
-        return dict(zip(leaves, grads)), losses.detach()
+        return dict(zip(leaves, grads)), losses.detach(), {k: v.detach() for k, v in logged.items()}
 
     def schedules(self, batch: ClientBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Global sample indices [m, S, B], batch sizes [m, S] and step counts [m] of the clients."""
@@ -267,12 +278,19 @@ class LocalTrainer:
         pick = order_t if rows is None else rows.index_select(0, order_t)
         out = {n: start[n].new_empty((m_all, *start[n].shape[1:])) for n in self.names}
         leaves = {_PREFIX + n: start[n].index_select(0, pick).requires_grad_() for n in self.names}
-        buffers = {_PREFIX + n: b_ for n, b_ in self.module.named_buffers()}
+        out.update({n: start[n].new_empty((m_all, *start[n].shape[1:])) for n in self.buffer_names})
+        cbuf = {_PREFIX + n: start[n].index_select(0, pick) for n in self.buffer_names}
+        buffers = {_PREFIX + n: b_ for n, b_ in self.module.named_buffers() if n not in self.buffer_names}
         self.program()
         chain = self._chain
-        fused = self._fused_sgd_lr() if chain is not None else None
-        opt = self.spec.build(leaves, _PREFIX)
+        spec = self.spec_at(batch.round)
+        fused = self._fused_sgd_lr(spec) if chain is not None else None
+        opt = spec.build(leaves, _PREFIX)
         loss_sum = torch.zeros(m_all, dtype=self.dtype, device=device)
+        logs: dict[str, Tensor] = {}
+        keys_all = torch.as_tensor(
+            np.ascontiguousarray(self.keys(batch, s_max)[order].T), device=device
+        )  # [S, m] in step order
         steps_sorted = steps[order]
         # Per-step sample weights and batch sizes go to the device once per round, not per step.
         size_t = torch.as_tensor(gsz, device=device)
@@ -287,13 +305,14 @@ class LocalTrainer:
                 m_s = int((steps_sorted > s).sum())
                 if fixed:
                     if m_s < live:
-                        self._retire(out, leaves, order_t, m_s, live)
+                        self._retire(out, {**leaves, **cbuf}, order_t, m_s, live)
                         live = m_s
                 elif m_s < m:
-                    self._retire(out, leaves, order_t, m_s, m)
+                    self._retire(out, {**leaves, **cbuf}, order_t, m_s, m)
                     new = {k: v.detach()[:m_s].requires_grad_() for k, v in leaves.items()}
                     shrink_optimizer(opt, list(leaves.values()), list(new.values()), m_s)
                     leaves, m = new, m_s
+                    cbuf = {k: v[:m_s] for k, v in cbuf.items()}
                     live = m
                 sizes = gsz[s, :m]
                 if chain is not None:
@@ -307,34 +326,55 @@ class LocalTrainer:
                     grads = {_PREFIX + k: g for k, g in by_name.items()}
                 elif (sizes == b).all():
                     x, y = self.dm.gather(gidx_t[s, :m], self.dtype)
-                    grads, losses = self._grad(leaves, buffers, x, y)
+                    grads, losses, logged = self._grad(
+                        leaves, buffers, x, y, keys=keys_all[s, :m], client_buffers=cbuf
+                    )
                     loss_sum[:m] += losses
+                    self._add_logs(logs, logged, m_all, slice(0, m))
                 elif self._program is not None:  # per-sample ops only: pad and mask
                     x, y = self.dm.gather(gidx_t[s, :m], self.dtype)
                     mask = (torch.arange(b, device=device) < size_t[s, :m, None]).to(self.dtype)
-                    grads, losses = self._grad(leaves, buffers, x, y, mask)
+                    grads, losses, _ = self._grad(leaves, buffers, x, y, mask)
                     loss_sum[:m] += losses
                 elif fixed:  # every distinct batch size for all rows, kept where it is the row's own
                     grads = {k: torch.zeros_like(v) for k, v in leaves.items()}
+                    before = {k: v.clone() for k, v in cbuf.items()}
+                    after = {k: v.clone() for k, v in cbuf.items()}
                     for size in np.unique(sizes[sizes > 0]):
                         x, y = self.dm.gather(gidx_t[s, :m, :size], self.dtype)
-                        g_all, l_all = self._grad(leaves, buffers, x, y)
+                        for k, v in cbuf.items():
+                            v.copy_(before[k])
+                        g_all, l_all, logged = self._grad(
+                            leaves, buffers, x, y, keys=keys_all[s, :m], client_buffers=cbuf
+                        )
                         own = size_t[s, :m] == int(size)
+                        for k, v in cbuf.items():
+                            after[k] = torch.where(own.view(-1, *[1] * (v.ndim - 1)), v, after[k])
                         for k in grads:
                             grads[k] = torch.where(
                                 own.view(-1, *[1] * (grads[k].ndim - 1)), g_all[k], grads[k]
                             )
                         loss_sum[:m] += torch.where(own, l_all, torch.zeros_like(l_all))
+                        kept = {k: torch.where(own, v, torch.zeros_like(v)) for k, v in logged.items()}
+                        self._add_logs(logs, kept, m_all, slice(0, m))
+                    for k, v in cbuf.items():
+                        v.copy_(after[k])
                 else:
                     grads = {k: torch.zeros_like(v) for k, v in leaves.items()}
                     for size in np.unique(sizes):
                         sel = torch.as_tensor(np.flatnonzero(sizes == size), device=device)
                         x, y = self.dm.gather(gidx_t[s, sel, :size], self.dtype)
                         sub = {k: v.index_select(0, sel) for k, v in leaves.items()}
-                        g_sub, l_sub = self._grad(sub, buffers, x, y)
+                        sub_buf = {k: v.index_select(0, sel) for k, v in cbuf.items()}
+                        g_sub, l_sub, logged = self._grad(
+                            sub, buffers, x, y, keys=keys_all[s].index_select(0, sel), client_buffers=sub_buf
+                        )
+                        for k, v in cbuf.items():
+                            v.index_copy_(0, sel, sub_buf[k])
                         for k in grads:
                             grads[k].index_copy_(0, sel, g_sub[k])
                         loss_sum.index_add_(0, sel, l_sub)
+                        self._add_logs(logs, logged, m_all, sel)
                 for k, v in leaves.items():
                     v.grad = grads[k]
                 opt.step()
@@ -343,12 +383,34 @@ class LocalTrainer:
         finally:
             self.module._in_federated_step = False
         if live == m_all and bool((order == np.arange(m_all)).all()):
-            out = {k[len(_PREFIX) :]: v.detach() for k, v in leaves.items()}  # nobody retired early
+            out = {
+                k[len(_PREFIX) :]: v.detach() for k, v in {**leaves, **cbuf}.items()
+            }  # nobody retired early
         else:
-            self._retire(out, leaves, order_t, 0, live)
+            self._retire(out, {**leaves, **cbuf}, order_t, 0, live)
         inv = torch.empty_like(order_t)
         inv[order_t] = torch.arange(m_all, device=device)
-        return LocalResult(out, steps, loss_sum.index_select(0, inv))
+        return LocalResult(
+            out,
+            steps,
+            loss_sum.index_select(0, inv),
+            {k: v.index_select(0, inv) for k, v in logs.items()},
+        )
+
+    def keys(self, batch: ClientBatch, steps: int) -> np.ndarray:
+        """Random key of every client's every local step, [m, steps] (see ``step_context``)."""
+        return step_keys(self.seed, batch.stage, batch.groups, batch.round, batch.clients, steps)
+
+    def _add_logs(
+        self, logs: dict[str, Tensor], logged: dict[str, Tensor], m_all: int, rows: slice | Tensor
+    ) -> None:
+        """Add one step's logged values of ``rows`` (positions in step order) to the sums."""
+        for k, v in logged.items():
+            acc = logs.setdefault(k, torch.zeros(m_all, dtype=self.dtype, device=v.device))
+            if isinstance(rows, slice):
+                acc[rows] += v
+            else:
+                acc.index_add_(0, rows, v)
 
     @staticmethod
     def _retire(out: dict[str, Tensor], leaves: dict[str, Tensor], order: Tensor, lo: int, hi: int) -> None:
@@ -365,35 +427,7 @@ class LocalTrainer:
         """One client after the other with the user's own optimizer and ``backward`` (args as stacked)."""
         if self._worker is None:
             self._worker = copy.deepcopy(self.module)
-        worker = self._worker
-        params = dict(worker.named_parameters())
+            self._worker_ctx = StepContext.of(self._worker)
         gidx_all, size_all, steps = self.schedules(batch)
-        device = next(iter(start.values())).device
-        m_all = len(batch.clients)
-        src = list(range(m_all)) if rows is None else rows.tolist()
-        out = {n: start[n].new_empty((m_all, *start[n].shape[1:])) for n in self.names}
-        loss_sum = torch.zeros(m_all, dtype=self.dtype, device=device)
-        worker._in_federated_step = True
-        try:
-            for i in range(len(batch.clients)):
-                with torch.no_grad():
-                    for n in self.names:
-                        params[n].copy_(start[n][src[i]])
-                if self.loop_uses_spec:
-                    opt = self.spec.build(params)
-                else:
-                    opt = normalize_optimizer(worker.configure_optimizers(), type(worker).__name__)
-                gidx = torch.as_tensor(gidx_all[i], device=device)
-                for s, size in enumerate(size_all[i, : steps[i]].tolist()):
-                    x, y = self.dm.gather(gidx[s, :size], self.dtype)
-                    opt.zero_grad(set_to_none=True)
-                    loss = worker.training_step((x, y), s)
-                    loss.backward()
-                    opt.step()
-                    loss_sum[i] += loss.detach()
-                with torch.no_grad():
-                    for n in self.names:
-                        out[n][i].copy_(params[n])
-        finally:
-            worker._in_federated_step = False
-        return LocalResult(out, steps, loss_sum)
+        out, loss_sum, logs = run_client_loop(self, start, batch, rows, gidx_all, size_all, steps)
+        return LocalResult(out, steps, loss_sum, logs)

@@ -8,8 +8,9 @@ the same class, with the same hyper-parameters, over the stacked leaves in every
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -20,8 +21,10 @@ from fedshard_lightning.errors import ContractError
 __all__ = [
     "ELEMENTWISE_OPTIMIZERS",
     "OptimizerSpec",
+    "RoundLR",
     "normalize_optimizer",
     "optimizer_spec",
+    "round_lr",
     "shrink_optimizer",
 ]
 
@@ -38,34 +41,89 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
 )
 
 
-def normalize_optimizer(returned: Any, owner: str) -> torch.optim.Optimizer:
-    """Reduce the forms ``configure_optimizers`` may return to one optimizer, refusing schedulers."""
-    opt = returned
+def split_configured(returned: Any, owner: str) -> tuple[torch.optim.Optimizer, Any]:
+    """Reduce the forms ``configure_optimizers`` may return to one optimizer and its scheduler (or None)."""
+    opt, sched = returned, None
     if isinstance(opt, dict):
-        if opt.get("lr_scheduler") is not None:
-            raise ContractError(
-                f"{owner}.configure_optimizers returns a learning-rate scheduler: client optimizers are re-created "
-                "every round, so schedulers are not supported; return only the optimizer"
-            )
+        sched = opt.get("lr_scheduler")
         opt = opt.get("optimizer")
     if isinstance(opt, (list, tuple)):
         if len(opt) == 2 and isinstance(opt[0], (list, tuple)):
-            if opt[1]:
+            scheds = list(opt[1]) if isinstance(opt[1], (list, tuple)) else [opt[1]]
+            if len(scheds) > 1:
                 raise ContractError(
-                    f"{owner}.configure_optimizers returns a learning-rate scheduler: not supported; "
-                    "return only the optimizer"
+                    f"{owner}.configure_optimizers returns {len(scheds)} learning-rate schedulers; return at most one"
                 )
+            sched = scheds[0] if scheds else None
             opt = opt[0]
         if len(opt) != 1:
             raise ContractError(
                 f"{owner}.configure_optimizers must return exactly one optimizer, got {len(opt)}"
             )
         opt = opt[0]
+    if isinstance(sched, dict):  # Lightning's {"scheduler": ..., "interval": ...} form
+        sched = sched.get("scheduler")
     if not isinstance(opt, torch.optim.Optimizer):
         raise ContractError(
             f"{owner}.configure_optimizers must return a torch.optim.Optimizer, got {type(opt).__name__}"
         )
-    return opt
+    if sched is not None and not hasattr(sched, "step"):
+        raise ContractError(
+            f"{owner}.configure_optimizers returns lr_scheduler {type(sched).__name__}, which has no step(); "
+            "return a torch.optim.lr_scheduler object"
+        )
+    if isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise ContractError(
+            f"{owner}.configure_optimizers returns ReduceLROnPlateau: its learning rate depends on a monitored "
+            "metric, not on the round, so a retrained shard could not replay it; use a round-based scheduler"
+        )
+    return opt, sched
+
+
+def normalize_optimizer(returned: Any, owner: str) -> torch.optim.Optimizer:
+    """The optimizer of what ``configure_optimizers`` returned (its scheduler, if any, set aside)."""
+    return split_configured(returned, owner)[0]
+
+
+class RoundLR:
+    """Learning rate of every optimizer group in a round: the user's scheduler stepped once per round.
+
+    Federated convention: client optimizers are re-created in every communication round, so the
+    scheduler counts rounds, not local steps. The rate of round ``r`` is what a fresh
+    ``configure_optimizers()`` scheduler gives after ``r`` steps, a function of the round alone:
+    a resumed or retrained shard replays the same rates. Values are cached per round.
+
+    Args:
+        module: The model whose ``configure_optimizers`` returns an optimizer and a scheduler.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self._cache: dict[int, list[float]] = {}
+
+    def __call__(self, round_: int) -> list[float]:
+        """Learning rate per optimizer group in round ``round_`` (0-based)."""
+        if round_ not in self._cache:
+            owner = type(self.module).__name__
+            opt, sched = split_configured(self.module.configure_optimizers(), owner)
+            with warnings.catch_warnings():  # scheduler.step() before optimizer.step() is intended
+                warnings.simplefilter("ignore", UserWarning)
+                for _ in range(round_):
+                    sched.step()
+            self._cache[round_] = [float(g["lr"]) for g in opt.param_groups]
+        return self._cache[round_]
+
+    @staticmethod
+    def apply(opt: torch.optim.Optimizer, lrs: Sequence[float]) -> None:
+        """Set the optimizer's group learning rates (group order as in ``configure_optimizers``)."""
+        for group, lr in zip(opt.param_groups, lrs, strict=True):
+            group["lr"] = lr
+
+
+def round_lr(module: nn.Module) -> RoundLR | None:
+    """The per-round learning rates of the model's scheduler, or None when it has none."""
+    _, sched = split_configured(module.configure_optimizers(), type(module).__name__)
+    return None if sched is None else RoundLR(module)
 
 
 @dataclass(frozen=True)
@@ -78,6 +136,11 @@ class OptimizerSpec:
     def build(self, leaves: dict[str, Tensor], prefix: str = "") -> torch.optim.Optimizer:
         """A fresh optimizer over stacked leaves keyed by (prefixed) parameter name."""
         return self.cls([{"params": [leaves[prefix + n] for n in names], **hp} for names, hp in self.groups])
+
+    def with_lrs(self, lrs: Sequence[float]) -> OptimizerSpec:
+        """The same spec with these group learning rates (a round of the scheduler)."""
+        groups = tuple((names, {**hp, "lr": lr}) for (names, hp), lr in zip(self.groups, lrs, strict=True))
+        return replace(self, groups=groups)
 
 
 def optimizer_spec(module: nn.Module, names: Sequence[str]) -> OptimizerSpec:

@@ -19,8 +19,10 @@ clients or samples is refused rather than trusted.
 
 from __future__ import annotations
 
+import enum
 import operator
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -30,6 +32,8 @@ from torch.func import functional_call, vmap
 
 __all__ = [
     "ConvMode",
+    "Kernel",
+    "KernelChoice",
     "StackedProgram",
     "Unsupported",
     "probe_params",
@@ -116,6 +120,25 @@ _PER_SAMPLE_METHODS: frozenset[str] = frozenset(
     }
 )
 _LOSSES = (F.cross_entropy, F.nll_loss)
+
+
+class Kernel(enum.Enum):
+    """The stacked kernel family in use, fastest first."""
+
+    CHAIN = "fx+chain"  # hand-written forward and backward (engine/chain.py)
+    FX = "fx"  # the fx rewrite of per_sample_loss, autograd backward (engine/stacked.py)
+    VMAP = "vmap"  # torch.func.vmap of the user's training_step
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """Which stacked kernel runs, and why not a faster one (empty for the fastest)."""
+
+    kernel: Kernel
+    reason: str = ""
+
+    def __str__(self) -> str:
+        return self.kernel.value + (f" ({self.reason})" if self.reason else "")
 
 
 def stacked_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from fedshard_lightning.errors import ConfigError
 from fedshard_lightning.module import FederatedModule
 
-__all__ = ["ResNetGN"]
+__all__ = ["ResNet18BN", "ResNetGN"]
 
 
 class _BasicBlock(nn.Module):
@@ -123,6 +123,84 @@ class ResNetGN(FederatedModule):
             for m in self.features.modules():
                 if isinstance(m, _BasicBlock):
                     nn.init.zeros_(m.norm2.weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Logits [b, classes]."""
+        return self.classifier(self.features(x))
+
+
+class _BasicBlockBN(nn.Module):
+    """conv3x3 -> BN -> ReLU -> conv3x3 -> BN, plus the shortcut (1x1 conv + BN on a shape change), then ReLU."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c_out)
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or c_in != c_out:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(c_in, c_out, 1, stride=stride, bias=False), nn.BatchNorm2d(c_out)
+            )
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.bn1(self.conv1(x)).relu()
+        out = self.bn2(self.conv2(out))
+        return (out + self.shortcut(x)).relu()
+
+
+class ResNet18BN(FederatedModule):
+    """ResNet-18 with BatchNorm, CIFAR variant: the baseline users compare federated models against.
+
+    He et al. (CVPR 2016) ImageNet ResNet-18 (four stages of two basic blocks, ``width``,
+    ``2 width``, ``4 width``, ``8 width`` channels) with the common CIFAR stem: one 3x3 stride-1
+    convolution and no max pooling. ``width=64`` is the usual 11.2M-parameter model; tests use a
+    tiny width. BatchNorm's running statistics are per-client buffers: the engine stacks them like
+    parameters and averages them with the FedAvg weights (see ``docs/architecture.md``), and
+    evaluation uses the aggregated statistics.
+
+    Args:
+        width: Channels of the first stage (and of the stem).
+        **kwargs: See :class:`~fedshard_lightning.module.FederatedModule`.
+    """
+
+    def __init__(self, width: int = 64, **kwargs) -> None:
+        super().__init__(**kwargs)
+        if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+            raise ConfigError(f"model.width={width!r}: must be a positive integer")
+        self.width = width
+        self.features: nn.Module | None = None
+        self.classifier: nn.Module | None = None
+        if self.input_shape is not None and self.num_classes is not None:
+            self.configure_model()
+
+    def configure_model(self) -> None:
+        """Build the layers once shapes are known."""
+        if self.features is not None:
+            return
+        if len(self.input_shape) != 3:
+            raise ConfigError(
+                f"ResNet18BN needs image inputs [C, H, W], got samples of shape {list(self.input_shape)}; "
+                "use MLP for vector data"
+            )
+        w = self.width
+        layers: list[nn.Module] = [
+            nn.Conv2d(self.input_shape[0], w, 3, padding=1, bias=False),
+            nn.BatchNorm2d(w),
+            nn.ReLU(),
+        ]
+        c_in = w
+        for stage, c_out in enumerate((w, 2 * w, 4 * w, 8 * w)):
+            for b in range(2):
+                layers.append(_BasicBlockBN(c_in, c_out, 2 if stage > 0 and b == 0 else 1))
+                c_in = c_out
+        layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten()]
+        self.features = nn.Sequential(*layers)
+        self.classifier = nn.Linear(c_in, self.num_classes)
+        for m in self.features.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
 
     def forward(self, x: Tensor) -> Tensor:
         """Logits [b, classes]."""

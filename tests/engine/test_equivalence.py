@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from _models import LBFGSMLP, ExplodingMLP, LoggingMLP, SchedulerMLP
+from _models import LBFGSMLP, ExplodingMLP, PlateauMLP
 
 from fedshard_lightning.data import SyntheticDataModule
 from fedshard_lightning.engine import FederatedEngine, Group, LocalSchedule, stack_params
@@ -139,7 +139,7 @@ def test_schedule_visits_every_sample_once_per_epoch():
 
 @pytest.mark.parametrize(
     ("cls", "pattern"),
-    [(LoggingMLP, "self.log"), (LBFGSMLP, "element-wise"), (SchedulerMLP, "scheduler")],
+    [(LBFGSMLP, "element-wise"), (PlateauMLP, "ReduceLROnPlateau")],
 )
 def test_contract_errors(cls, pattern):
     dm = _data(k=4, n=80)

@@ -1,0 +1,124 @@
+"""The per-client loop: the reference every stacked kernel is tested against, and the fallback.
+
+One client after the other, with the user's own ``configure_optimizers`` and ``backward``, on a
+deep copy of the model (the worker). What a step may do is keyed as in the stacked path
+(:mod:`.step_context`): ``nn.Dropout`` masks from the client's step key, ``self.log`` values per
+client; other random operators draw from the device's generator, seeded with the same key before
+every step (inside ``fork_rng``, so the user's own stream is left as it was).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from fedshard_lightning.engine.optim import RoundLR, normalize_optimizer
+from fedshard_lightning.engine.step_context import step_loss
+
+if TYPE_CHECKING:
+    from fedshard_lightning.engine.local import LocalTrainer
+
+__all__ = ["ClientBatch", "LocalResult", "run_client_loop"]
+
+
+@dataclass
+class ClientBatch:
+    """The clients of one local-training call and where their randomness comes from."""
+
+    clients: list[int]
+    groups: list[int]
+    stage: int
+    round: int
+
+
+@dataclass
+class LocalResult:
+    """Final parameters [m, ...] by name, steps per client, summed loss and logged values per client."""
+
+    params: dict[str, Tensor]
+    steps: np.ndarray
+    loss_sum: Tensor
+    logs: dict[str, Tensor] = field(default_factory=dict)
+
+
+def run_client_loop(
+    tr: LocalTrainer,
+    start: dict[str, Tensor],
+    batch: ClientBatch,
+    rows: Tensor | None,
+    gidx_all: np.ndarray,
+    size_all: np.ndarray,
+    steps: np.ndarray,
+) -> tuple[dict[str, Tensor], Tensor, dict[str, Tensor]]:
+    """Final parameters and client buffers [m, ...], summed losses [m] and logged sums [m] by name.
+
+    Args:
+        tr: The local trainer (model, worker, data, optimizer, keys).
+        start: Starting state, one row per client, or per group when ``rows`` is given.
+        batch: The clients.
+        rows: Row of ``start`` each client starts from.
+        gidx_all: Global sample indices [m, S, B] of the clients' schedules.
+        size_all: Batch sizes [m, S].
+        steps: Local steps per client [m].
+    """
+    worker = tr._worker
+    params = dict(worker.named_parameters())
+    wbuf = dict(worker.named_buffers())
+    params.update({n: wbuf[n] for n in tr.buffer_names})  # copied in and out like parameters
+    device = next(iter(start.values())).device
+    m_all = len(batch.clients)
+    src = list(range(m_all)) if rows is None else rows.tolist()
+    out = {n: start[n].new_empty((m_all, *start[n].shape[1:])) for n in tr.names + tr.buffer_names}
+    loss_sum = torch.zeros(m_all, dtype=tr.dtype, device=device)
+    logs: dict[str, Tensor] = {}
+    keys = tr.keys(batch, size_all.shape[1] if size_all.ndim == 2 else 0)
+    keys_t = torch.as_tensor(keys, device=device)  # one copy per call, not one per step
+    gen = (
+        torch.cuda.default_generators[
+            device.index if device.index is not None else torch.cuda.current_device()
+        ]
+        if device.type == "cuda"
+        else torch.default_generator
+    )
+    owner = type(worker).__name__
+    rng_devices = [device] if device.type == "cuda" else []
+    worker._in_federated_step = True
+    try:
+        with torch.random.fork_rng(devices=rng_devices):  # the user's global stream is left as it was
+            for i in range(len(batch.clients)):
+                with torch.no_grad():
+                    for n in tr.names + tr.buffer_names:
+                        params[n].copy_(start[n][src[i]])
+                if tr.loop_uses_spec:
+                    opt = tr.spec.build(params)
+                else:
+                    opt = normalize_optimizer(worker.configure_optimizers(), owner)
+                    if tr.lr_at is not None:
+                        RoundLR.apply(opt, tr.lr_at(batch.round))
+                gidx = torch.as_tensor(gidx_all[i], device=device)
+                for s, size in enumerate(size_all[i, : steps[i]].tolist()):
+                    x, y = tr.dm.gather(gidx[s, :size], tr.dtype)
+                    opt.zero_grad(set_to_none=True)
+                    # Random ops outside nn.Dropout draw from the device's generator, keyed by
+                    # the client step (the generator alone: torch.manual_seed costs ~100x more).
+                    gen.manual_seed(int(keys[i, s]))
+                    tr._worker_ctx.begin(keys_t[i, s])
+                    try:
+                        loss = step_loss(worker.training_step((x, y), s), owner)
+                    finally:
+                        logged = tr._worker_ctx.end()
+                    loss.backward()
+                    opt.step()
+                    loss_sum[i] += loss.detach()
+                    for k, v in logged.items():
+                        logs.setdefault(k, torch.zeros(m_all, dtype=tr.dtype, device=device))[i] += v
+                with torch.no_grad():
+                    for n in tr.names + tr.buffer_names:
+                        out[n][i].copy_(params[n])
+    finally:
+        worker._in_federated_step = False
+    return out, loss_sum, logs

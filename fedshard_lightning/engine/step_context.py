@@ -1,0 +1,176 @@
+"""What a user's ``training_step`` may do beyond computing a loss: log values and draw random numbers.
+
+A Lightning user writes ``self.log("train_loss", loss)`` and puts ``nn.Dropout`` in the model.
+Under ``vmap`` both fail (``self.log`` sees batched tensors, dropout draws from one global
+generator whose values depend on how many clients share the call). :class:`StepContext` makes
+both functions of the client's own key while the engine runs a step:
+
+* ``self.log``/``self.log_dict`` store the value in the context; the step caller returns it with
+  the loss, so every client gets its own logged values (reduced per round by the engine).
+* ``nn.Dropout`` layers draw their mask from a counter-based hash of the client's step key
+  (``(seed, stage, shard, round, client, step)``, see :func:`step_keys`), the layer call and the
+  element index: the same integers in the stacked call and in the per-client loop, so both paths
+  give the same bits whatever a client's neighbours are.
+
+Random operators other than ``nn.Dropout`` (``F.dropout`` called directly, ``torch.randn`` in the
+step) cannot be keyed inside ``vmap``; such a model trains on the per-client loop, which seeds
+torch's generator with the client's step key before every step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fedshard_lightning.engine.keys import keyed_uniform_bits
+from fedshard_lightning.errors import ContractError
+
+__all__ = ["RandomInStep", "StepContext", "keyed_uniform", "step_keys", "step_loss"]
+
+_M32 = 0xFFFFFFFF
+_STEP_COUNTER = 1 << 40  # step keys use counters far above the schedule's shuffling draws
+
+
+def step_keys(
+    seed: int, stage: int, groups: np.ndarray, round_: int, clients: np.ndarray, steps: int
+) -> np.ndarray:
+    """32-bit key of every client's every local step, [m, steps] int64 (a hash of the full key)."""
+    bits = keyed_uniform_bits(
+        seed,
+        stage,
+        np.asarray(groups, dtype=np.int64)[:, None],
+        round_,
+        np.asarray(clients, dtype=np.int64)[:, None],
+        _STEP_COUNTER + np.arange(steps, dtype=np.int64)[None, :],
+    )
+    return (bits & np.uint64(_M32)).astype(np.int64)
+
+
+def step_loss(out: Any, owner: str) -> Tensor:
+    """The loss of what ``training_step`` returned (a tensor, or Lightning's ``{"loss": ...}``)."""
+    if isinstance(out, dict):
+        out = out.get("loss")
+    if not isinstance(out, Tensor) or out.numel() != 1:
+        raise ContractError(
+            f"{owner}.training_step must return the scalar loss (or {{'loss': loss}}), got {type(out).__name__}"
+        )
+    return out.reshape(())
+
+
+class RandomInStep(Exception):
+    """The training step draws random numbers that cannot be keyed per client under ``vmap``."""
+
+
+def _mix32(h: Tensor) -> Tensor:
+    """A 32-bit integer hash in int64 arithmetic (products stay below 2**63, so no overflow)."""
+    h = h & _M32
+    h = h ^ (h >> 16)
+    h = (h * 0x7FEB352D) & _M32
+    h = h ^ (h >> 15)
+    h = (h * 0x346CA68B) & _M32
+    return h ^ (h >> 16)
+
+
+def keyed_uniform(key: Tensor, call: int, numel: int, dtype: torch.dtype) -> Tensor:
+    """``numel`` uniforms in [0, 1) from the key and the call number; works under ``vmap``."""
+    idx = torch.arange(numel, device=key.device, dtype=torch.int64)
+    h = _mix32(_mix32(key ^ _mix32(torch.tensor(call + 1, device=key.device))) ^ idx)
+    return (h >> 8).to(dtype) * (2.0**-24)
+
+
+class StepContext:
+    """The key and the logged values of the step being run (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.key: Tensor | None = None
+        self.calls = 0
+        self.logged: dict[str, Tensor] | None = None
+        self._owner = 0
+
+    @classmethod
+    def of(cls, module: nn.Module) -> StepContext:
+        """The module's context, installed once: every engine over one module shares it.
+
+        A deep copy of the module (the loop's worker) carries the copied context but closures over
+        the original, so a copy gets a fresh context (the owner id tells them apart).
+        """
+        ctx = module.__dict__.get("_fedshard_step_ctx")
+        if not isinstance(ctx, cls) or ctx._owner != id(module):
+            ctx = cls()
+            ctx.install(module)
+            ctx._owner = id(module)
+            object.__setattr__(module, "_fedshard_step_ctx", ctx)
+        return ctx
+
+    def begin(self, key: Tensor | None) -> None:
+        """Start a training step with this client key (0-d, batched under vmap) and no logs yet."""
+        self.key, self.calls, self.logged = key, 0, {}
+
+    def end(self) -> dict[str, Tensor]:
+        """End the step; the values it logged."""
+        logged = self.logged or {}
+        self.key, self.logged = None, None
+        return logged
+
+    def install(self, module: nn.Module) -> None:
+        """Route ``module``'s ``log``/``log_dict`` and its ``nn.Dropout`` layers through this context.
+
+        Outside a step (``begin`` not called) everything behaves as Lightning and torch do.
+        """
+        object.__setattr__(module, "log", self._log_of(module))
+        object.__setattr__(module, "log_dict", self._log_dict_of(module))
+        for sub in module.modules():
+            if type(sub) is nn.Dropout:
+                object.__setattr__(sub, "forward", self._dropout_of(sub))
+
+    def _log_of(self, module: nn.Module) -> Callable[..., None]:
+        original = type(module).log
+
+        def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+            if self.logged is None:
+                original(module, name, value, *args, **kwargs)
+                return
+            self.logged[name] = self._scalar(name, value, module)
+
+        return log
+
+    def _log_dict_of(self, module: nn.Module) -> Callable[..., None]:
+        original = type(module).log_dict
+
+        def log_dict(dictionary: Any, *args: Any, **kwargs: Any) -> None:
+            if self.logged is None:
+                original(module, dictionary, *args, **kwargs)
+                return
+            for name, value in dict(dictionary).items():
+                self.logged[name] = self._scalar(name, value, module)
+
+        return log_dict
+
+    @staticmethod
+    def _scalar(name: str, value: Any, module: nn.Module) -> Tensor:
+        dtype = next(module.parameters()).dtype
+        if isinstance(value, Tensor):
+            if value.numel() != 1:
+                raise ContractError(
+                    f"{type(module).__name__}.training_step logs {name!r} with shape {tuple(value.shape)}; "
+                    "log one number per step (e.g. value.mean())"
+                )
+            return value.detach().reshape(()).to(dtype)
+        return torch.tensor(float(value), dtype=dtype)
+
+    def _dropout_of(self, layer: nn.Dropout) -> Callable[[Tensor], Tensor]:
+        def forward(x: Tensor) -> Tensor:
+            if self.key is None or not layer.training or layer.p == 0:
+                return F.dropout(x, layer.p, layer.training, layer.inplace)
+            call, self.calls = self.calls, self.calls + 1
+            if layer.p >= 1:
+                return x * 0
+            keep = keyed_uniform(self.key, call, x.numel(), x.dtype) >= layer.p
+            return x * keep.reshape(x.shape).to(x.dtype) / (1 - layer.p)
+
+        return forward
