@@ -32,7 +32,7 @@ def current(trainer: Any) -> dict[str, Any]:
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
-        "dtype": str(trainer.module.param_dtype),
+        "dtype": str(next(trainer.module.parameters()).dtype),
         "engine_mode": eng.mode,
         "batch_invariant": eng.batch_invariant,
         "compile": eng.local.compiled,
