@@ -22,6 +22,7 @@ documented in docs/unlearning.md).
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from fedshard_lightning.cache import FLCache
+from fedshard_lightning.cache import FLCache, StackWrite
 from fedshard_lightning.engine import Group, RoundInfo, TrainResult
 from fedshard_lightning.errors import CacheError, ConfigError
 from fedshard_lightning.sharding import (
@@ -167,9 +168,10 @@ class FedShard(Algorithm):
         self.stage_seconds: list[float] = []
         self._sizes: list[int] = []
         self._steps: list[int] = []
-        # (cache root, version, {stage: models}): the in-memory stage models that are the files of
-        # that committed version, so the next commit hard-links the stages that did not change.
-        self._committed: tuple[str, str, dict[int, dict[str, Tensor]]] | None = None
+        # The committed version the in-memory state came from (cache root, version), and the shards
+        # changed since, per stage (None: the whole stage is new): the next commit writes only those.
+        self._base: tuple[str, str] | None = None
+        self._dirty: dict[int, set[int] | None] = {}
 
     def hparams(self) -> dict[str, Any]:
         """Base settings plus the tree and round settings."""
@@ -249,6 +251,7 @@ class FedShard(Algorithm):
             self.tree = ShardTree(self.num_clients, self.merge_rate)
             self.records, self.models = [], []
             self.total_client_steps = 0
+            self._dirty = {}
         for stage in range(len(self.records) + 1, self.planned_stages + 1):
             t = time.perf_counter()
             if stage == 1:
@@ -294,6 +297,7 @@ class FedShard(Algorithm):
                 rec.alpha = float(a)
             self.records.append(records)
             self.models.append(res.params)
+            self._dirty[stage] = None
             self.total_client_steps += res.client_steps
             self.stage_seconds.append(time.perf_counter() - t)
             stage_metrics = {
@@ -407,6 +411,10 @@ class FedShard(Algorithm):
         seconds = time.perf_counter() - t
         self.records, self.models = records, models
         self.unlearned = sorted(gone)
+        for p, i in retrained:
+            rows = self._dirty.setdefault(p, set())
+            if rows is not None:
+                rows.add(i)
         emptied = [(p, i) for p, recs in enumerate(records, start=1) for i, r in enumerate(recs) if r.empty]
         return UnlearnResult(
             self.current_params(),
@@ -460,59 +468,80 @@ class FedShard(Algorithm):
         }
 
     # -- cache ------------------------------------------------------------------------------------
+    def _structure(self, stage: int) -> dict[str, Tensor]:
+        """The frozen metadata of a stage's shards: children (in aggregation order), alpha, rounds.
+
+        It never changes after the stage is trained, so its blob is written once per run and every
+        later version shares it; clients, remaining clients and weights follow from the tree, the
+        unlearned clients and the client weights (:meth:`_records_from`).
+        """
+        recs = self.records[stage - 1]
+        lengths = torch.tensor([len(r.children) for r in recs], dtype=torch.int64)
+        return {
+            "children": torch.tensor([c for r in recs for c in r.children], dtype=torch.int64),
+            "offsets": torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
+            "alpha": torch.tensor([r.alpha for r in recs], dtype=torch.float64),
+            "rounds": torch.tensor([r.rounds for r in recs], dtype=torch.int64),
+        }
+
     def write_cache(self, cache: FLCache, label: str) -> str:
-        """theta^0, every completed stage's shard models, and the tree's records."""
+        """theta^0, one blob per shard model, the stages' frozen structure and the request state.
+
+        Only the shards that changed since the committed version the state came from are written
+        (a request adds the shards it retrained); when that version is not the cache's current one,
+        every row is hashed and only blobs that do not exist yet are written.
+        """
+        stages = len(self.records)
         manifest = {
-            **self.manifest_base(complete=len(self.records) == self.planned_stages),
+            **self.manifest_base(complete=stages == self.planned_stages),
             "merge_rate": self.merge_rate,
             "planned_stages": self.planned_stages,
-            "client_sizes": list(self._sizes),
-            "tree": self.tree.to_dict(),
-            "stages": [[r.to_dict() for r in recs] for recs in self.records],
+            "stages_done": stages,
             "round_policy_state": self.round_policy.state_dict(),
         }
-        tensors = {"theta0.safetensors": self.theta0}
-        reuse = {}
-        base_version = cache.current() if cache.exists() else None
-        base = cache.manifest(base_version) if base_version is not None else None
+        tensors = {
+            "theta0.safetensors": self.theta0,
+            "client_sizes.safetensors": {"sizes": torch.tensor(self._sizes, dtype=torch.int64)},
+        }
+        for p in range(1, stages + 1):
+            tensors[f"structure_{p}.safetensors"] = self._structure(p)
+        clean = cache.exists() and self._base == (str(cache.root), cache.current())
+        stacks = {}
         for p, m in enumerate(self.models, start=1):
-            fname = f"stage_{p}.safetensors"
-            if (
-                base is not None
-                and fname in base["files"]
-                and self._stage_unchanged(p, base, cache, base_version)
-            ):
-                reuse[fname] = fname
-            else:
-                tensors[fname] = m
-        if "theta0.safetensors" in (base or {}).get("files", {}):
-            reuse["theta0.safetensors"] = "theta0.safetensors"
-            del tensors["theta0.safetensors"]
-        version = cache.commit(cache.next_name(label), manifest, tensors, reuse=reuse)
-        self._mark_committed(cache, version)
+            rows = self._dirty.get(p, ()) if clean else None
+            stacks[f"stage_{p}"] = StackWrite(m, None if rows is None else sorted(rows))
+        version = cache.commit(cache.next_name(label), manifest, tensors, stacks=stacks)
+        self._base, self._dirty = (str(cache.root), version), {}
         return version
 
-    def _mark_committed(self, cache: FLCache, version: str) -> None:
-        """Remember that the current stage models are the files of ``version``."""
-        self._committed = (str(cache.root), version, dict(enumerate(self.models, start=1)))
+    def _records_from(self, structures: list[dict[str, Tensor]]) -> list[list[ShardRecord]]:
+        """Records of every stage from the frozen structure, the tree and the unlearned clients.
 
-    def _stage_unchanged(self, stage: int, base: dict[str, Any], cache: FLCache, base_version: str) -> bool:
-        """Whether stage ``stage``'s file in ``base_version`` holds exactly the current records and models.
-
-        True for the stages a fit committed before (each stage commit hard-links the earlier
-        stages instead of rewriting them) and for stages loaded from ``base_version``.
+        Remaining clients and weights are recomputed exactly as :meth:`_replay` does after a request
+        (weights are sums of integer-valued client weights, so the order of summation is exact).
         """
-        stages = base.get("stages", [])
-        committed = self._committed
-        return (
-            committed is not None
-            and committed[0] == str(cache.root)
-            and committed[1] == base_version
-            and committed[2].get(stage) is self.models[stage - 1]
-            and base.get("fingerprint") == self.trainer.fingerprint
-            and len(stages) >= stage
-            and stages[stage - 1] == [r.to_dict() for r in self.records[stage - 1]]
-        )
+        gone = set(self.unlearned)
+        stages = self.tree.stages
+        records: list[list[ShardRecord]] = []
+        for p, st in enumerate(structures, start=1):
+            alpha, rounds = st["alpha"].tolist(), st["rounds"].tolist()
+            shards = stages[p]
+            if len(alpha) != len(shards) or len(rounds) != len(shards):
+                raise CacheError(f"structure of stage {p}: {len(alpha)} shards, the tree has {len(shards)}")
+            recs = []
+            for i, sh in enumerate(shards):
+                remaining = [c for c in sh.clients if c not in gone] if gone else list(sh.clients)
+                if p == 1:
+                    weight = float(sum(self._client_weight(c) for c in remaining))
+                else:
+                    weight = float(sum(records[-1][ch].weight for ch in sh.children))
+                recs.append(
+                    ShardRecord(
+                        list(sh.children), list(sh.clients), weight, alpha[i], int(rounds[i]), remaining
+                    )
+                )
+            records.append(recs)
+        return records
 
     def _restore(self, cache: FLCache) -> dict[str, Any]:
         manifest = self.trainer.check_manifest(cache, self.name)
@@ -521,17 +550,35 @@ class FedShard(Algorithm):
             raise CacheError(f"{cache.root}: the cache was made for another number of clients or merge rate")
         device = self.trainer.device
         self.theta0 = cache.tensors("theta0.safetensors", version=version, device=device, manifest=manifest)
-        try:
-            self.tree = ShardTree.from_dict(manifest["tree"])
-            self.records = [[ShardRecord.from_dict(r) for r in recs] for recs in manifest["stages"]]
-        except (KeyError, TypeError, ValueError) as e:
-            raise CacheError(f"{cache.root}: the manifest's tree is malformed ({e})") from None
-        self.models = [
-            cache.tensors(f"stage_{p}.safetensors", version=version, device=device, manifest=manifest)
-            for p in range(1, len(self.records) + 1)
+        stages = manifest.get("stages_done")
+        if isinstance(stages, bool) or not isinstance(stages, int) or not 0 <= stages <= self.planned_stages:
+            raise CacheError(f"{cache.root}: the manifest's stage count {stages!r} is malformed")
+        structures = [
+            cache.tensors(f"structure_{p}.safetensors", version=version, manifest=manifest)
+            for p in range(1, stages + 1)
         ]
-        self._mark_committed(cache, version)
         self.unlearned = [int(c) for c in manifest.get("unlearned", [])]
+        try:
+            children = []
+            for st in structures:
+                flat, offsets = st["children"].tolist(), st["offsets"].tolist()
+                children.append([flat[a:b] for a, b in itertools.pairwise(offsets)])
+            self.tree = ShardTree.from_dict(
+                {
+                    "version": 1,
+                    "num_clients": self.num_clients,
+                    "merge_rate": self.merge_rate,
+                    "stages": children,
+                }
+            )
+            self.records = self._records_from(structures)
+        except (KeyError, TypeError, ValueError) as e:
+            raise CacheError(f"{cache.root}: the cached tree is malformed ({e})") from None
+        self.models = [
+            cache.stack(f"stage_{p}", version=version, device=device, manifest=manifest)
+            for p in range(1, stages + 1)
+        ]
+        self._base, self._dirty = (str(cache.root), version), {}
         self.total_client_steps = int(manifest.get("client_steps", 0))
         if "round_policy_state" in manifest:
             self.round_policy.load_state_dict(manifest["round_policy_state"])
@@ -539,10 +586,10 @@ class FedShard(Algorithm):
 
     def resume(self, cache: FLCache) -> bool:
         """Continue an interrupted fit after its last complete stage."""
-        manifest = self._restore(cache)
+        self._restore(cache)
         if self.unlearned:
             raise CacheError(f"{cache.root}: this run has unlearning requests already; it cannot be resumed")
-        return bool(manifest.get("stages") is not None)
+        return True
 
     def load_cache(self, cache: FLCache) -> None:
         """Restore a finished fit (with every applied request)."""
