@@ -297,7 +297,9 @@ def _stack_rows(datas: list[bytes], what: str) -> dict[str, Tensor]:
     try:
         first = load(datas[0])
     except (SafetensorError, ValueError) as e:
-        raise CacheError(f"{what}: row 0 is not a valid safetensors file ({e}); refusing to load it") from None
+        raise CacheError(
+            f"{what}: row 0 is not a valid safetensors file ({e}); refusing to load it"
+        ) from None
     hlen = int.from_bytes(datas[0][:8], "little")
     prefix = datas[0][: 8 + hlen]
     header = json.loads(datas[0][8 : 8 + hlen])
@@ -321,7 +323,9 @@ def _stack_rows(datas: list[bytes], what: str) -> dict[str, Tensor]:
         try:
             rows.append(load(d))
         except (SafetensorError, ValueError) as e:
-            raise CacheError(f"{what}: row {i} is not a valid safetensors file ({e}); refusing to load it") from None
+            raise CacheError(
+                f"{what}: row {i} is not a valid safetensors file ({e}); refusing to load it"
+            ) from None
     keys = sorted(rows[0])
     if any(sorted(r) != keys for r in rows):
         raise CacheError(f"{what}: rows hold different tensors; the cache is damaged")
