@@ -512,7 +512,9 @@ class FLCache:
             raise CacheError(
                 f"{self.blob_path(files[name])} ({what}) is not a valid safetensors file ({e}); refusing to load it"
             ) from None
-        return {k: v.to(device) for k, v in out.items()} if str(device) != "cpu" else out
+        # Sorted like load_file's: safetensors.torch.load (from bytes) returns a hash map's order,
+        # which differs between processes (DDP ranks would then gather parameters in different orders).
+        return {k: out[k].to(device) for k in sorted(out)}
 
     def stack_digests(
         self, name: str, version: str | None = None, manifest: dict[str, Any] | None = None
@@ -557,7 +559,7 @@ class FLCache:
                 seen[d] = self._read_blob(d, f"row {i} of {what}", version)
             datas.append(seen[d])
         out = _stack_rows(datas, what)
-        return {k: v.to(device) for k, v in out.items()} if str(device) != "cpu" else out
+        return {k: out[k].to(device) for k in sorted(out)}
 
     def verify(self, version: str | None = None) -> None:
         """Check every blob of a version against its digest (only its indexes when gc pruned it)."""

@@ -36,6 +36,9 @@ def test_stack_round_trip_and_version_folders_hold_only_manifests(tmp_path: Path
     )
     out = cache.stack("s")
     assert all(torch.equal(out[k], m[k]) and out[k].dtype == m[k].dtype for k in m)
+    # Keys come sorted, as load_file gave them: safetensors' load(bytes) order differs between
+    # processes, and DDP ranks gather parameters in dict order.
+    assert list(out) == sorted(m) and list(cache.tensors("theta0.safetensors")) == ["t"]
     assert torch.equal(cache.tensors("s.safetensors")["w"], m["w"])  # a stack reads as its format-1 file
     assert sorted(p.name for p in (cache.root / "0001-a").iterdir()) == ["manifest.json"]
     assert len(set(cache.stack_digests("s"))) == 10
