@@ -208,21 +208,35 @@ class FedShard(Algorithm):
         prev: dict[str, Tensor] | None,
         prev_records: Sequence[ShardRecord] | None,
     ) -> dict[str, Tensor]:
-        """Initial models [N, ...] of the given shards of ``stage``: weighted average of their live children."""
+        """Initial models [N, ...] of the given shards of ``stage``: weighted average of their live children.
+
+        Each shard sums its (at most R) children in their aggregation order, element-wise: O(N R D)
+        work and memory, where a dense ``[N, N_prev]`` weight matrix times the stacked models took
+        O(N N_prev D) (4.3 GB and about 5 TFLOP at stage 2 of K = 65,536); and a shard's result no
+        longer depends on which other shards are averaged with it (a BLAS matmul's blocking does).
+        """
         n = len(records)
         if stage == 1:
             return {k: v.unsqueeze(0).expand(n, *v.shape).clone() for k, v in self.theta0.items()}
         dev = next(iter(prev.values())).device
-        w = torch.zeros(n, len(prev_records), dtype=torch.float64, device=dev)
-        for i, rec in enumerate(records):
-            for ch in rec.children:
-                if not prev_records[ch].empty:
-                    w[i, ch] = prev_records[ch].weight
+        width = max(len(r.children) for r in records)
+        index = [list(r.children) + [0] * (width - len(r.children)) for r in records]
+        weight = [
+            [0.0 if prev_records[ch].empty else prev_records[ch].weight for ch in r.children]
+            + [0.0] * (width - len(r.children))
+            for r in records
+        ]
+        idx = torch.tensor(index, dtype=torch.long, device=dev)
+        w = torch.tensor(weight, dtype=torch.float64, device=dev)
         w = w / w.sum(1, keepdim=True).clamp_min(1e-300)
         out = {}
         for k, v in prev.items():
             flat = v.reshape(v.shape[0], -1)
-            out[k] = (w.to(flat.dtype) @ flat).reshape(n, *v.shape[1:])
+            wk = w.to(flat.dtype)
+            acc = wk[:, :1] * flat[idx[:, 0]]
+            for j in range(1, width):
+                acc = acc + wk[:, j : j + 1] * flat[idx[:, j]]
+            out[k] = acc.reshape(n, *v.shape[1:])
         return out
 
     def _train_stage(
