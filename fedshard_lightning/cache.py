@@ -603,12 +603,17 @@ class FLCache:
         self.root.mkdir(parents=True, exist_ok=True)
         return _flock(self.root)
 
-    def _put(self, data: bytes, new: list[Path], dirs: set[Path]) -> str:
-        """Store ``data`` as a blob unless an intact one exists; return its digest."""
+    def _put(self, data: bytes, touched: list[Path], dirs: set[Path]) -> str:
+        """Store ``data`` as a blob unless an intact one exists; return its digest.
+
+        Both new and existing blobs go to ``touched``, to be made durable before the manifest that
+        names them: an existing one may be the unsynced leftover of a writer that was killed.
+        """
         digest = hashlib.sha256(data).hexdigest()
         path = self.blob_path(digest)
         try:
             if path.stat().st_size == len(data):
+                touched.append(path)
                 return digest  # content-addressed: same name, same bytes (size checked against a torn file)
         except FileNotFoundError:
             pass
@@ -619,7 +624,7 @@ class FLCache:
         with open(tmp, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
-        new.append(path)
+        touched.append(path)
         return digest
 
     def commit(
@@ -655,7 +660,7 @@ class FLCache:
             tmp.mkdir()
             base_version = self.current() if self.exists() and (reuse or stacks) else None
             base = self.manifest(base_version) if base_version is not None else None
-            new: list[Path] = []
+            touched: list[Path] = []
             dirs: set[Path] = set()
             files: dict[str, str] = {}
             for new_name, old_name in (reuse or {}).items():
@@ -666,13 +671,13 @@ class FLCache:
                     raise CacheError(f"cannot reuse {old_name!r}: its blob is gone (pruned by cache gc?)")
             for fname, tens in tensors.items():
                 files[fname] = self._put(
-                    save({k: v.detach().contiguous().cpu() for k, v in tens.items()}), new, dirs
+                    save({k: v.detach().contiguous().cpu() for k, v in tens.items()}), touched, dirs
                 )
             stack_entries = {
-                sname: self._write_stack(sname, st, base, base_version, new, dirs)
+                sname: self._write_stack(sname, st, base, base_version, touched, dirs)
                 for sname, st in (stacks or {}).items()
             }
-            _sync_paths(new, dirs | {self.root / BLOBS} if new else dirs)
+            _sync_paths(touched, dirs | {self.root / BLOBS} if touched else dirs)
             body = {**manifest, "format": FORMAT, "files": files, "stacks": stack_entries}
             # One line: json's pure-Python encoder (used whenever indent is set) is 10x slower.
             atomic_write_json(tmp / "manifest.json", body, indent=None)
@@ -691,7 +696,7 @@ class FLCache:
         st: StackWrite,
         base: dict[str, Any] | None,
         base_version: str | None,
-        new: list[Path],
+        touched: list[Path],
         dirs: set[Path],
     ) -> dict[str, Any]:
         """Row blobs of the changed rows, and the stack's index entry (snapshot plus delta)."""
@@ -713,14 +718,14 @@ class FLCache:
         if rows:
             codec = _RowCodec(st.tensors)
             for i in rows:
-                digests[i] = self._put(codec.row(i), new, dirs)
+                digests[i] = self._put(codec.row(i), touched, dirs)
         if same:
             snapshot = self._snapshot(entry["snapshot"], n, f"index of {name} in {base_version}")
             delta = {str(i): d for i, d in enumerate(digests) if d != snapshot[i]}
             if len(delta) <= math.isqrt(n):
                 return {"rows": n, "snapshot": entry["snapshot"], "delta": delta}
         raw = torch.frombuffer(bytearray(b"".join(bytes.fromhex(d) for d in digests)), dtype=torch.uint8)
-        snap = self._put(save({"digests": raw.reshape(n, 32)}), new, dirs)
+        snap = self._put(save({"digests": raw.reshape(n, 32)}), touched, dirs)
         return {"rows": n, "snapshot": snap, "delta": {}}
 
     def set_current(self, version: str) -> None:
