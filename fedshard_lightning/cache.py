@@ -62,6 +62,10 @@ __all__ = [
 
 FORMAT = "fedshard-flcache/2"
 BLOBS = "blobs"
+# Append-only manifest fields (the trainer's request log): every entry is a JSON blob and a
+# manifest lists their digests, so a version adds its new entries only. Inline, the log made a
+# manifest O(requests) and the cache O(requests^2) (150 KB per manifest after 100 requests).
+LOG_FIELDS = ("requests",)
 
 _TMP = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>[0-9]+)$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -418,7 +422,36 @@ class FLCache:
                 f"{self.root / version}/manifest.json has a malformed stack list (row counts, snapshot "
                 "and delta digests expected); the cache is damaged"
             )
+        for field in LOG_FIELDS:
+            if field in data:
+                data[field] = self._read_log(data[field], f"{field} of {self.root / version}/manifest.json")
         return data
+
+    def log_digests(self, manifest_path: Path) -> list[str]:
+        """Blob digests of the log entries (e.g. the request reports) that a stored manifest names."""
+        raw = self._read_json(manifest_path)
+        out = []
+        for field in LOG_FIELDS:
+            ref = raw.get(field)
+            if isinstance(ref, dict) and isinstance(ref.get("blobs"), list):
+                out.extend(ref["blobs"])
+        return out
+
+    def _read_log(self, ref: Any, what: str) -> list[Any]:
+        """An append-only log field: stored as ``{"blobs": [digest, ...]}``, one JSON blob per entry."""
+        if not isinstance(ref, dict) or not isinstance(ref.get("blobs"), list):
+            raise CacheError(f"{what} is malformed (a list of entry digests expected); the cache is damaged")
+        entries = []
+        for digest in ref["blobs"]:
+            if not isinstance(digest, str) or not _SHA256.match(digest):
+                raise CacheError(
+                    f"{what} is malformed (a list of entry digests expected); the cache is damaged"
+                )
+            try:
+                entries.append(json.loads(self._read_blob(digest, what, None).decode("utf-8")))
+            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+                raise CacheError(f"{what}: entry {self.blob_path(digest)} is not valid JSON") from None
+        return entries
 
     @staticmethod
     def _valid_stack(entry: Any) -> bool:
@@ -677,8 +710,18 @@ class FLCache:
                 sname: self._write_stack(sname, st, base, base_version, touched, dirs)
                 for sname, st in (stacks or {}).items()
             }
+            logs = {
+                field: {
+                    "blobs": [
+                        self._put(json.dumps(entry, sort_keys=True).encode(), touched, dirs)
+                        for entry in manifest[field]
+                    ]
+                }
+                for field in LOG_FIELDS
+                if isinstance(manifest.get(field), list)
+            }
+            body = {**manifest, **logs, "format": FORMAT, "files": files, "stacks": stack_entries}
             _sync_paths(touched, dirs | {self.root / BLOBS} if touched else dirs)
-            body = {**manifest, "format": FORMAT, "files": files, "stacks": stack_entries}
             # One line: json's pure-Python encoder (used whenever indent is set) is 10x slower.
             atomic_write_json(tmp / "manifest.json", body, indent=None)
             _fsync_dir(tmp)
@@ -777,6 +820,7 @@ class FLCache:
             live: set[str] = set()
             for version in versions:
                 manifest = self.manifest(version)
+                live.update(self.log_digests(self.root / version / "manifest.json"))  # history stays
                 for sname, entry in manifest["stacks"].items():
                     live.add(entry["snapshot"])
                     if version in kept:

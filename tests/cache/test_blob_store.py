@@ -160,3 +160,23 @@ def test_malformed_row_counts_and_out_of_range_rows_are_refused(tmp_path: Path) 
     with pytest.raises(CacheError, match="same leading number of rows"):
         cache.commit("0003", {}, {}, stacks={"s": StackWrite({"a": torch.zeros(2, 1), "b": torch.zeros(3)})})
     assert cache.current() == "0001"
+
+
+def test_the_request_log_is_stored_once_per_entry(tmp_path: Path) -> None:
+    """Each manifest lists digests of its log entries; an entry shared with earlier versions is one blob."""
+    cache = FLCache(tmp_path / "cache")
+    log = []
+    for j in range(5):
+        log.append({"request": j + 1, "clients": [j], "retrained_shards": [{"stage": 1, "shard": j}] * 20})
+        cache.commit(f"{j + 1:04d}", {"requests": log}, {})
+        assert cache.manifest()["requests"] == log
+        raw = json.loads((cache.root / f"{j + 1:04d}" / "manifest.json").read_text())
+        assert len(raw["requests"]["blobs"]) == j + 1
+    assert len(_blobs(cache)) == 5  # one blob per entry, shared by every later version
+    assert cache.manifest("0002")["requests"] == log[:2]
+    entry = cache.blob_path(
+        json.loads((cache.root / "0005" / "manifest.json").read_text())["requests"]["blobs"][0]
+    )
+    entry.write_bytes(b'{"request": 99}')
+    with pytest.raises(CacheError, match="checksum mismatch"):
+        cache.manifest()

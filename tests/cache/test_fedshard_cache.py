@@ -33,9 +33,10 @@ def test_requests_add_their_shards_and_a_gcd_cache_still_audits(run_root: Path) 
     assert audit(run_root, run)["passed"]
     alg = loaded(run_root, run)
     assert alg.unlearned == [0, 3, 5, 6]
-    for v in versions:  # the history of requests stays: every manifest and its model digests
+    for j, v in enumerate(versions):  # the history stays: every manifest, request log and model digest
         m = cache.manifest(v)
         assert len(cache.stack_digests("stage_1", v, m)) == 4
+        assert len(m["requests"]) == max(0, j - 2)  # versions 1-3 are fit's stage commits
         cache.verify(v)
     rep = unlearn(run_root, run, [1])  # a gc'd cache takes further requests
     assert rep["client_steps"] > 0 and audit(run_root, run)["passed"]
