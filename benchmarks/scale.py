@@ -150,9 +150,20 @@ def run_phase(args: argparse.Namespace) -> None:
                 "request_wall_s_mean": sum(per) / len(per),
             }
         elif args.phase in ("audit", "audit-after-gc"):
-            out = trainer.audit(model, dm, str(root / "run"))
+            # The algorithm's audit (the trainer's exits 1 on failure): the figures are wanted either way.
+            trainer._load_run(model, dm, str(root / "run"), "audit")
+            out = trainer.algorithm.audit(args.tolerance)
             algo_s, steps = 0.0, 0
-            extra = {"passed": out["passed"], "max_abs_diff": out["max_abs_diff"]}
+            stage_max: dict[int, float] = {}
+            for sh in out["shards"]:
+                stage_max[sh["stage"]] = max(stage_max.get(sh["stage"], 0.0), sh["max_abs_diff"])
+            extra = {
+                "passed": out["passed"],
+                "max_abs_diff": out["max_abs_diff"],
+                "final_max_abs_diff": out["final_max_abs_diff"],
+                "stage_max_abs_diff": [stage_max[q] for q in sorted(stage_max)],
+                "tolerance": args.tolerance,
+            }
         else:  # gc, through the command line
             from fedshard_lightning.cli import main as cli_main
 
@@ -205,6 +216,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--requests", type=int, default=0, help="fit, N single-client requests, audit, gc, audit")
     ap.add_argument("--audit", action="store_true", help="append audit, gc, audit-after-gc")
+    ap.add_argument("--tolerance", type=float, default=1e-6, help="audit tolerance (max abs difference)")
     ap.add_argument("--phase", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.threads:
@@ -227,6 +239,7 @@ def main() -> None:
     for phase in phases:
         cmd = [sys.executable, __file__, "--phase", phase, "--root", str(root), "--clients", str(k)]
         cmd += ["--samples-per-client", str(args.samples_per_client), "--requests", str(args.requests)]
+        cmd += ["--tolerance", str(args.tolerance)]
         if args.profile:
             cmd += ["--profile", args.profile]
         if args.threads:
@@ -265,7 +278,11 @@ def main() -> None:
         if r["phase"] == "requests":
             name += f" ({r['requests']} x 1 client, {r['request_wall_s_mean']:.1f} s each)"
         if "passed" in r:
-            name += f" ({'passed' if r['passed'] else 'FAILED'}, max abs diff {r['max_abs_diff']:.1e})"
+            name += (
+                f" ({'passed' if r['passed'] else 'FAILED'} at {r['tolerance']:.0e}: max abs diff "
+                f"{r['max_abs_diff']:.1e}, final model {r['final_max_abs_diff']:.1e}, stage 1 "
+                f"{r['stage_max_abs_diff'][0]:.1e})"
+            )
         row = [
             name,
             f"{r['wall_s']:.1f}",
