@@ -177,7 +177,12 @@ class FLCache(StackStore, Retention):
         return out
 
     def _read_log(self, ref: Any, what: str) -> list[Any]:
-        """An append-only log field: stored as ``{"blobs": [digest, ...]}``, one JSON blob per entry."""
+        """An append-only log field: stored as ``{"blobs": [digest, ...]}``, one JSON blob per entry.
+
+        A plain list (the inline log of manifests written before the log moved to blobs) is read as is.
+        """
+        if isinstance(ref, list):
+            return ref
         if not isinstance(ref, dict) or not isinstance(ref.get("blobs"), list):
             raise CacheError(f"{what} is malformed (a list of entry digests expected); the cache is damaged")
         entries = []

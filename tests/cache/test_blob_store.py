@@ -135,7 +135,13 @@ def test_manifest_and_index_load_at_k_65536_stays_well_under_a_second(tmp_path: 
     vdir.mkdir(parents=True)
     (vdir / "manifest.json").write_text(
         json.dumps(
-            {"format": "fedshard-flcache/2", "files": {}, "stacks": stacks, "unlearned": list(range(16))}
+            {
+                "format": "fedshard-flcache/2",
+                "files": {},
+                "stacks": stacks,
+                "unlearned": list(range(16)),
+                "requests": [{"request": 1}],  # an inline log, as written before the log moved to blobs
+            }
         )
     )
     from fedshard_lightning.cache import sha256_file
@@ -148,6 +154,7 @@ def test_manifest_and_index_load_at_k_65536_stays_well_under_a_second(tmp_path: 
     digests = [cache.stack_digests(f"stage_{p}", manifest=manifest) for p in range(1, 17)]
     seconds = time.perf_counter() - t
     assert sum(len(d) for d in digests) == sum(-(-k // 2**p) for p in range(1, 17))
+    assert manifest["requests"] == [{"request": 1}]
     assert (vdir / "manifest.json").stat().st_size < 20_000
     assert seconds < 0.5, seconds
 
