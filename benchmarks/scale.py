@@ -216,7 +216,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--requests", type=int, default=0, help="fit, N single-client requests, audit, gc, audit")
     ap.add_argument("--audit", action="store_true", help="append audit, gc, audit-after-gc")
-    ap.add_argument("--tolerance", type=float, default=1e-6, help="audit tolerance (max abs difference)")
+    ap.add_argument("--tolerance", type=float, default=0.0, help="audit tolerance (default 0: bit-exact)")
     ap.add_argument("--phase", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.threads:
