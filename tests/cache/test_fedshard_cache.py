@@ -40,3 +40,28 @@ def test_requests_add_their_shards_and_a_gcd_cache_still_audits(run_root: Path) 
         cache.verify(v)
     rep = unlearn(run_root, run, [1])  # a gc'd cache takes further requests
     assert rep["client_steps"] > 0 and audit(run_root, run)["passed"]
+
+
+def test_the_state_declares_the_changed_shards_and_the_commit_writes_only_those(run_root: Path) -> None:
+    """``changed`` is explicit state: what_if returns it (pure), cache_stacks turns it into rows."""
+    run = fit(run_root, k=8)
+    alg = loaded(run_root, run)
+    cache = FLCache(run / "cache")
+    assert alg.changed == {}
+    assert all(st.rows == [] for st in alg.cache_stacks(cache).values())  # loaded: nothing to write
+    before = alg.state_dict()
+    state, result = alg.what_if(before, [3])
+    assert alg.changed == {} and before["changed"] == {}  # what_if leaves the instance and its input alone
+    retrained = {}
+    for s in result.details["retrained_shards"]:
+        retrained.setdefault(s["stage"], []).append(s["shard"])
+    assert state["changed"] == retrained and sorted(retrained) == [1, 2, 3]
+    alg.load_state_dict(state)
+    rows = {name: st.rows for name, st in alg.cache_stacks(cache).items()}
+    assert rows == {f"stage_{p}": retrained[p] for p in (1, 2, 3)}
+    alg.committed(cache, cache.current())  # pretend the state is the current version's: nothing changed
+    assert alg.changed == {}
+    other = loaded(run_root, run)  # a state that did not come from this version: every row is hashed
+    other.load_state_dict(state)
+    other._committed = None
+    assert all(st.rows is None for st in other.cache_stacks(cache).values())
