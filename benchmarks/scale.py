@@ -1,6 +1,6 @@
-"""FedShard at scale: fit and unlearn K = 4096 clients through the public API.
+"""FedShard at scale: fit and unlearn K = 4096 or 65,536 clients through the public API.
 
-Three phases, each in a fresh Python process so that its peak RSS (``ru_maxrss``) is its own:
+Phases, each in a fresh Python process so that its peak RSS (``ru_maxrss``) is its own:
 
 1. ``fit``: :class:`~fedshard_lightning.FederatedTrainer` with
    :class:`~fedshard_lightning.unlearning.FedShard` (R = 2, A1, A2 rounds in [2, 8], batch 10, 1
@@ -8,15 +8,22 @@ Three phases, each in a fresh Python process so that its peak RSS (``ru_maxrss``
    10 classes), MLP 64-64;
 2. ``unlearn-1``: ``trainer.unlearn`` of one client, from the run directory (loads the FLCache,
    retrains, commits a new cache version, writes the report);
-3. ``unlearn-16``: a second request of 16 other clients (requests accumulate).
+3. ``unlearn-16``: a second request of 16 other clients (requests accumulate);
+
+or, with ``--requests N``: ``fit``, then N single-client requests in one process (``requests``),
+``audit`` (replay of the whole frozen tree), ``gc`` (``python -m fedshard_lightning cache gc
+--keep 1``) and ``audit-after-gc``. ``--audit`` appends the last three to the default phases.
 
 Per phase: wall-clock seconds of the trainer call (``fit`` / ``unlearn`` as a user sees it), the
 algorithm's own seconds (training only, as in the reports), client-steps, peak RSS, the RSS before
 any data or model existed (the interpreter and imports), and the FLCache on disk: bytes of the
-unique inodes under ``RUN/cache`` (versions share unchanged files through hard links), against the
-paper's O(K) bound of K + P models (Appendix D, "space complexity": sum_p ceil(K / R^p) <= K + P).
+unique files under ``RUN/cache`` (blobs are shared by versions) against the paper's O(K) bound of
+K + P models (Appendix D, "space complexity": sum_p ceil(K / R^p) <= K + P), and the model blobs
+(shard models) that the phase added, against the shards it retrained.
 
     python benchmarks/scale.py                   # K = 4096
+    python benchmarks/scale.py --clients 65536   # K = 65,536
+    python benchmarks/scale.py --requests 100    # cache growth over 100 single-client requests
     python benchmarks/scale.py --clients 256     # quick check
     python benchmarks/scale.py --profile /tmp/prof   # also cProfile every phase (top 25 printed)
 """
@@ -39,6 +46,7 @@ from typing import Any
 import torch
 from _common import quiet_trainer, silence
 
+from fedshard_lightning.cache import FLCache
 from fedshard_lightning.data import SyntheticDataModule
 from fedshard_lightning.models import MLP
 from fedshard_lightning.sharding import num_stages
@@ -52,8 +60,10 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def cache_bytes(root: Path) -> tuple[int, int, int]:
-    """Bytes of the unique inodes under ``root``, their number, and the bytes of the current version alone."""
+def cache_state(root: Path) -> dict[str, Any]:
+    """Bytes and count of the unique files under ``root``, and the model blobs of the current version."""
+    from fedshard_lightning.cache import FLCache
+
     seen: set[tuple[int, int]] = set()
     total = 0
     for dirpath, _, files in os.walk(root):
@@ -62,9 +72,11 @@ def cache_bytes(root: Path) -> tuple[int, int, int]:
             if (st.st_dev, st.st_ino) not in seen:
                 seen.add((st.st_dev, st.st_ino))
                 total += st.st_size
-    current = json.loads((root / "CURRENT").read_text())["version"]
-    own = sum(p.stat().st_size for p in (root / current).iterdir())
-    return total, len(seen), own
+    cache = FLCache(root)
+    manifest = cache.manifest()
+    models = {d for s in manifest["stacks"] for d in cache.stack_digests(s, manifest=manifest)}
+    blobs = {p.name for p in (root / "blobs").rglob("*") if p.is_file() and not p.name.startswith(".")}
+    return {"bytes": total, "files": len(seen), "models": models, "blobs": blobs}
 
 
 def make(args: argparse.Namespace, root: Path) -> tuple[Any, MLP, SyntheticDataModule]:
@@ -87,10 +99,12 @@ def make(args: argparse.Namespace, root: Path) -> tuple[Any, MLP, SyntheticDataM
     return trainer, MLP(hidden=(64, 64), lr=0.1), dm
 
 
-def leaving(k: int, phase: str) -> list[int]:
+def leaving(k: int, phase: str, j: int = 0) -> list[int]:
     """The clients of each unlearning request (disjoint, spread over the ids)."""
     if phase == "unlearn-1":
         return [k // 3]
+    if phase == "requests":
+        return [(k // 5 + j * (k // 101 or 1) + j) % k]
     return sorted({(k // 3 + 1 + i * (k // 16)) % k for i in range(16)})
 
 
@@ -98,17 +112,20 @@ def run_phase(args: argparse.Namespace) -> None:
     """Child process: run one phase, print one JSON line."""
     root = Path(args.root)
     rss0 = peak_rss_mb()
+    cache_root = root / "run" / "cache"
+    before = cache_state(cache_root) if args.phase != "fit" else {"blobs": set(), "bytes": 0}
     trainer, model, dm = make(args, root)
     prof = cProfile.Profile() if args.profile else None
     t = time.perf_counter()
     if prof:
         prof.enable()
+    extra: dict[str, Any] = {}
     with silence():
         if args.phase == "fit":
             out = trainer.fit(model, dm)
             algo_s, steps = out["seconds"], out["client_steps"]
             extra = {"test_accuracy": out["test_accuracy"]}
-        else:
+        elif args.phase in ("unlearn-1", "unlearn-16"):
             out = trainer.unlearn(model, dm, str(root / "run"), leaving(args.clients, args.phase))
             algo_s, steps = out["seconds"], out["client_steps"]
             extra = {
@@ -116,6 +133,42 @@ def run_phase(args: argparse.Namespace) -> None:
                 "test_accuracy": out["test_accuracy_after"],
                 "shards": len(out["retrained_shards"]),
             }
+        elif args.phase == "requests":
+            algo_s, steps, shards, per = 0.0, 0, 0, []
+            for j in range(args.requests):
+                trainer, model, dm = make(args, root)
+                tj = time.perf_counter()
+                out = trainer.unlearn(model, dm, str(root / "run"), leaving(args.clients, "requests", j))
+                per.append(time.perf_counter() - tj)
+                algo_s += out["seconds"]
+                steps += out["client_steps"]
+                shards += len(out["retrained_shards"])
+            extra = {
+                "test_accuracy": out["test_accuracy_after"],
+                "shards": shards,
+                "requests": args.requests,
+                "request_wall_s_mean": sum(per) / len(per),
+            }
+        elif args.phase in ("audit", "audit-after-gc"):
+            # The algorithm's audit (the trainer's exits 1 on failure): the figures are wanted either way.
+            trainer._load_run(model, dm, str(root / "run"), "audit")
+            out = trainer.algorithm.audit(args.tolerance)
+            algo_s, steps = 0.0, 0
+            stage_max: dict[int, float] = {}
+            for sh in out["shards"]:
+                stage_max[sh["stage"]] = max(stage_max.get(sh["stage"], 0.0), sh["max_abs_diff"])
+            extra = {
+                "passed": out["passed"],
+                "max_abs_diff": out["max_abs_diff"],
+                "final_max_abs_diff": out["final_max_abs_diff"],
+                "stage_max_abs_diff": [stage_max[q] for q in sorted(stage_max)],
+                "tolerance": args.tolerance,
+            }
+        else:  # gc, through the command line
+            from fedshard_lightning.cli import main as cli_main
+
+            cli_main(["cache", "gc", "--ckpt_path", str(root / "run"), "--keep", "1"])
+            algo_s, steps = 0.0, 0
     wall = time.perf_counter() - t
     if prof:
         prof.disable()
@@ -123,9 +176,13 @@ def run_phase(args: argparse.Namespace) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         prof.dump_stats(path)
         pstats.Stats(str(path), stream=sys.stderr).sort_stats("cumulative").print_stats(25)
-    n_params = sum(p.numel() for p in trainer.module.parameters())
-    model_bytes = n_params * trainer.module.param_dtype.itemsize
-    total, files, own = cache_bytes(root / "run" / "cache")
+    if trainer.module is None:  # gc: no model was built
+        trainer, model, dm = make(args, root)
+        model.bind_data(dm.input_shape if hasattr(dm, "input_shape") else (64,), 10)
+    n_params = sum(p.numel() for p in model.parameters())
+    model_bytes = n_params * torch.finfo(next(model.parameters()).dtype).bits // 8
+    after = cache_state(cache_root)
+    new_blobs = after["blobs"] - before["blobs"]
     print(
         json.dumps(
             {
@@ -135,11 +192,14 @@ def run_phase(args: argparse.Namespace) -> None:
                 "client_steps": steps,
                 "peak_rss_mb": peak_rss_mb(),
                 "start_rss_mb": rss0,
-                "cache_bytes": total,
-                "cache_files": files,
-                "current_version_bytes": own,
+                "cache_bytes": after["bytes"],
+                "cache_files": after["files"],
+                "bytes_added": after["bytes"] - before["bytes"],
+                "models_current": len(after["models"]),
+                "models_added": len(new_blobs & after["models"]),
+                "other_blobs_added": len(new_blobs - after["models"]),
                 "model_bytes": model_bytes,
-                "versions": len(trainer.cache.versions()),
+                "versions": len(FLCache(cache_root).versions()),
                 **extra,
             }
         ),
@@ -154,9 +214,10 @@ def main() -> None:
     ap.add_argument("--root", default=None, help="where the run goes (default: a new temporary folder)")
     ap.add_argument("--profile", default=None, help="folder for one cProfile file per phase")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    ap.add_argument(
-        "--phase", choices=["fit", "unlearn-1", "unlearn-16"], default=None, help=argparse.SUPPRESS
-    )
+    ap.add_argument("--requests", type=int, default=0, help="fit, N single-client requests, audit, gc, audit")
+    ap.add_argument("--audit", action="store_true", help="append audit, gc, audit-after-gc")
+    ap.add_argument("--tolerance", type=float, default=0.0, help="audit tolerance (default 0: bit-exact)")
+    ap.add_argument("--phase", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -170,10 +231,15 @@ def main() -> None:
         f"with {torch.get_num_threads()} intra-op threads; run in {root}",
         flush=True,
     )
+    tail = ["audit", "gc", "audit-after-gc"]
+    phases = ["fit", "requests", *tail] if args.requests else ["fit", "unlearn-1", "unlearn-16"]
+    if args.audit and not args.requests:
+        phases += tail
     results = []
-    for phase in ("fit", "unlearn-1", "unlearn-16"):
+    for phase in phases:
         cmd = [sys.executable, __file__, "--phase", phase, "--root", str(root), "--clients", str(k)]
-        cmd += ["--samples-per-client", str(args.samples_per_client)]
+        cmd += ["--samples-per-client", str(args.samples_per_client), "--requests", str(args.requests)]
+        cmd += ["--tolerance", str(args.tolerance)]
         if args.profile:
             cmd += ["--profile", args.profile]
         if args.threads:
@@ -185,8 +251,9 @@ def main() -> None:
             print(proc.stderr, file=sys.stderr)
         results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
         print(f"{phase}: done in {results[-1]['wall_s']:.1f} s", flush=True)
-    bound = (k + p) * results[0]["model_bytes"]
-    print(f"\nmodel: {results[0]['model_bytes']:,} bytes; K + P = {k + p} models = {bound:,} bytes\n")
+    mb = results[0]["model_bytes"]
+    bound = (k + p) * mb
+    print(f"\nmodel: {mb:,} bytes; K + P = {k + p} models = {bound:,} bytes\n")
     head = [
         "phase",
         "wall s",
@@ -194,18 +261,27 @@ def main() -> None:
         "client-steps",
         "peak RSS MiB",
         "RSS after imports MiB",
-        "cache MB (unique inodes)",
+        "cache MB (unique files)",
         "/ (K+P) models",
-        "current version MB",
+        "shards retrained",
+        "models added",
+        "other blobs added",
+        "MB added",
         "versions",
     ]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for r in results:
         name = r["phase"]
-        if name != "fit":
+        if "retrain_client_steps" in r:
+            name += f" (retraining the tree: {r['retrain_client_steps']} steps)"
+        if r["phase"] == "requests":
+            name += f" ({r['requests']} x 1 client, {r['request_wall_s_mean']:.1f} s each)"
+        if "passed" in r:
             name += (
-                f" ({r['shards']} shards retrained, retraining the tree: {r['retrain_client_steps']} steps)"
+                f" ({'passed' if r['passed'] else 'FAILED'} at {r['tolerance']:.0e}: max abs diff "
+                f"{r['max_abs_diff']:.1e}, final model {r['final_max_abs_diff']:.1e}, stage 1 "
+                f"{r['stage_max_abs_diff'][0]:.1e})"
             )
         row = [
             name,
@@ -215,15 +291,23 @@ def main() -> None:
             f"{r['peak_rss_mb']:.0f}",
             f"{r['start_rss_mb']:.0f}",
             f"{r['cache_bytes'] / 1e6:.1f}",
-            f"{r['cache_bytes'] / bound:.2f}",
-            f"{r['current_version_bytes'] / 1e6:.1f}",
+            f"{r['cache_bytes'] / bound:.3f}",
+            str(r.get("shards", "-" if r["phase"] != "fit" else r["models_current"])),
+            str(r["models_added"]),
+            str(r["other_blobs_added"]),
+            f"{r['bytes_added'] / 1e6:.2f}",
             str(r["versions"]),
         ]
         print("| " + " | ".join(row) + " |", flush=True)
-    print(
-        f"\ntest accuracy: fit {results[0]['test_accuracy']:.4f}, after the requests "
-        f"{results[1]['test_accuracy']:.4f}, {results[2]['test_accuracy']:.4f}"
-    )
+    if args.requests:
+        after = next(r for r in results if r["phase"] == "requests")
+        limit = 1.1 * (k + p) + args.requests * p
+        print(
+            f"\ncache after fit + {args.requests} requests: {after['cache_bytes'] / mb:.1f} models "
+            f"(bound 1.1 (K + P) + {args.requests} P = {limit:.1f})"
+        )
+    accs = [f"{r['phase']} {r['test_accuracy']:.4f}" for r in results if "test_accuracy" in r]
+    print("test accuracy: " + ", ".join(accs))
 
 
 if __name__ == "__main__":

@@ -1,41 +1,68 @@
 """FLCache: the on-disk state that training leaves for unlearning (SPEC section 6).
 
-Layout of ``RUN_DIR/cache``::
+Layout of ``RUN_DIR/cache`` (format 2, content-addressed)::
 
-    CURRENT                 {"version": "0003-unlearn-0001", "manifest_sha256": "..."}
-    0001-stage-1/           one immutable folder per committed version
-        manifest.json       structure (tree, alphas, rounds, ...), fingerprint, file checksums
-        stage_1.safetensors tensors (never pickled)
-    0002-stage-2/ ...
+    CURRENT                   {"version": "0014-unlearn-0002", "manifest_sha256": "..."}
+    PRUNED                    versions whose models ``cache gc`` dropped (their manifests stay)
+    blobs/ab/ab12...ef        one safetensors file per blob, named by the SHA-256 of its bytes
+    0001-stage-1/manifest.json   one folder per committed version, holding only its manifest
+    0002-stage-2/manifest.json ...
 
-A version folder is written under a temporary name, every file fsync'ed, then renamed into place;
-``CURRENT`` is replaced atomically last, so a crash at any moment leaves the previous version
-current and intact. Files that a new version shares with its base are hard links (no copies).
-Loading checks every file's SHA-256 against the manifest, so a flipped byte or a swapped file is
-refused, and nothing is ever unpickled. Version and file names read from ``CURRENT`` and manifests
-must be plain names inside the cache folder. Temporary files and folders that a killed writer left
-behind (``.NAME.tmp-PID`` of a process that no longer exists) are removed by the next write.
+Every tensor file is a blob shared by every version that holds the same bytes: a version's
+manifest maps file names to blob digests (``files``), and a *stack* (one model per row, e.g. the
+shard models of a stage) to one blob per row (``stacks``). A stack's row digests are a snapshot
+blob (``[N, 32]`` digests, shared across versions) plus the rows that differ from it (``delta``);
+a new snapshot is written once the delta outgrows ``sqrt(N)`` rows, so a manifest stays small and
+a version that retrained ``m`` shards adds ``m`` model blobs plus a few hundred bytes.
+
+Writes are atomic and crash-safe: new blobs go to ``.NAME.tmp-PID`` and are renamed into place,
+then made durable with one ``syncfs`` (a per-file ``fsync`` costs 3 ms here: 200 s for 65,536
+shards); the version folder is written under a temporary name and renamed; ``CURRENT`` is
+replaced last. A crash at any moment leaves the previous version current and intact, plus at most
+some unreferenced blobs that ``gc`` removes. Loading checks every blob's SHA-256 (its name), so a
+flipped byte or a swapped file is refused, and nothing is ever unpickled. Version and file names
+read from ``CURRENT`` and manifests must be plain names inside the cache folder; blob paths are
+built from validated hex digests only. Writers (``commit``, ``set_current``, ``gc``) hold an
+exclusive ``flock`` on the cache folder. Temporary files that a killed writer left behind (of a
+process that no longer exists) are removed by the next write.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, save
 from torch import Tensor
 
+from fedshard_lightning.cache_gc import Retention
+from fedshard_lightning.cache_io import (
+    _SHA256,
+    BLOBS,
+    _flock,
+    _fsync_dir,
+    _plain_name,
+    _sync_paths,
+    atomic_save_tensors,
+    atomic_write_bytes,
+    atomic_write_json,
+    load_tensors,
+    remove_stale_tmp,
+    sha256_file,
+)
+from fedshard_lightning.cache_stacks import StackStore, StackWrite
 from fedshard_lightning.errors import CacheError
 
 __all__ = [
     "FLCache",
+    "StackWrite",
     "atomic_save_tensors",
     "atomic_write_bytes",
     "atomic_write_json",
@@ -44,140 +71,15 @@ __all__ = [
     "sha256_file",
 ]
 
-FORMAT = "fedshard-flcache/1"
-
-_TMP = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>[0-9]+)$")
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
-
-
-def sha256_file(path: Path) -> str:
-    """Hex SHA-256 of a file's bytes."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+FORMAT = "fedshard-flcache/2"
+# Append-only manifest fields (the trainer's request log): every entry is a JSON blob and a
+# manifest lists their digests, so a version adds its new entries only. Inline, the log made a
+# manifest O(requests) and the cache O(requests^2) (150 KB per manifest after 100 requests).
+LOG_FIELDS = ("requests",)
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError, ValueError):
-        return pid > 0
-    return True
-
-
-def remove_stale_tmp(directory: Path, name: str | None = None) -> list[Path]:
-    """Remove ``.NAME.tmp-PID`` leftovers of writers that were killed (their process is gone).
-
-    Args:
-        directory: Folder to clean.
-        name: Only leftovers of this file or folder name; ``None``: every leftover.
-
-    Returns:
-        The removed paths.
-    """
-    removed: list[Path] = []
-    try:
-        entries = list(os.scandir(directory))
-    except OSError:
-        return removed
-    for entry in entries:
-        m = _TMP.match(entry.name)
-        if m is None or (name is not None and m.group("name") != name) or _pid_alive(int(m.group("pid"))):
-            continue
-        path = Path(entry.path)
-        try:
-            if entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(path)
-            else:
-                path.unlink()
-            removed.append(path)
-        except OSError:
-            pass
-    return removed
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write to a temporary sibling, fsync, rename over ``path``."""
-    path = Path(path)
-    remove_stale_tmp(path.parent, path.name)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def atomic_write_json(path: Path, obj: Any, indent: int | None = 2) -> None:
-    """JSON version of :func:`atomic_write_bytes`; ``indent=None`` writes one line (C encoder, compact)."""
-    atomic_write_bytes(path, (json.dumps(obj, indent=indent, sort_keys=True) + "\n").encode())
-
-
-def atomic_save_tensors(
-    path: Path, tensors: dict[str, Tensor], metadata: dict[str, str] | None = None
-) -> str:
-    """Save with safetensors atomically; returns the file's SHA-256."""
-    path = Path(path)
-    remove_stale_tmp(path.parent, path.name)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp), metadata=metadata)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    digest = sha256_file(tmp)
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-    return digest
-
-
-def load_tensors(
-    path: Path, expected_sha256: str | None = None, device: str | torch.device = "cpu"
-) -> dict[str, Tensor]:
-    """Load a safetensors file (no pickle), checking its checksum first when given."""
-    path = Path(path)
-    if not path.is_file():
-        raise CacheError(f"missing tensor file {path}; the run directory is incomplete or was moved")
-    if expected_sha256 is not None and sha256_file(path) != expected_sha256:
-        raise CacheError(
-            f"checksum mismatch for {path}: the file was modified or corrupted; refusing to load it"
-        )
-    try:
-        return load_file(str(path), device=str(device))
-    except (SafetensorError, OSError, ValueError) as e:
-        raise CacheError(f"{path} is not a valid safetensors file ({e}); refusing to load it") from None
-
-
-def _plain_name(name: str) -> bool:
-    """A single path component that is not hidden: no separators, not ``.``/``..``."""
-    return (
-        bool(name)
-        and not name.startswith(".")
-        and "/" not in name
-        and "\\" not in name
-        and "\0" not in name
-        and Path(name).name == name
-    )
-
-
-class FLCache:
-    """Versioned, atomic, checksummed store of manifests and tensor files."""
+class FLCache(StackStore, Retention):
+    """Versioned, atomic, content-addressed store of manifests, tensor files and stacks of models."""
 
     def __init__(self, root: Path | str) -> None:
         self.root = Path(root)
@@ -191,7 +93,7 @@ class FLCache:
         """Name of the current version."""
         ptr = self._read_json(self.root / "CURRENT")
         version = ptr.get("version")
-        if isinstance(version, str) and not _plain_name(version):
+        if isinstance(version, str) and (not _plain_name(version) or version == BLOBS):
             raise CacheError(
                 f"{self.root}/CURRENT names {version!r}, which is not a version folder of this cache; "
                 "the cache is damaged"
@@ -208,15 +110,37 @@ class FLCache:
         """Committed version folders, oldest first."""
         if not self.root.is_dir():
             return []
-        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and not p.name.startswith("."))
+        return sorted(
+            p.name
+            for p in self.root.iterdir()
+            if p.is_dir() and not p.name.startswith(".") and p.name != BLOBS
+        )
+
+    def pruned(self) -> set[str]:
+        """Versions whose models ``gc`` dropped (their manifests and stack indexes stay readable)."""
+        path = self.root / "PRUNED"
+        if not path.is_file():
+            return set()
+        try:
+            data = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError, OSError):
+            raise CacheError(f"{path} is not valid JSON; the cache is damaged") from None
+        if not isinstance(data, dict) or not isinstance(data.get("versions"), list):
+            raise CacheError(f"{path} does not list versions; the cache is damaged")
+        return {str(v) for v in data["versions"]}
 
     def manifest(self, version: str | None = None) -> dict[str, Any]:
         """The manifest of a version (default: current)."""
         version = version or self.current()
-        if not _plain_name(version):
+        if not _plain_name(version) or version == BLOBS:
             raise CacheError(f"{version!r} is not a version folder of {self.root}")
         data = self._read_json(self.root / version / "manifest.json")
         if data.get("format") != FORMAT:
+            if data.get("format") == "fedshard-flcache/1":
+                raise CacheError(
+                    f"{self.root / version}/manifest.json is an FLCache of format 1 (one file per stage), "
+                    f"written by an older fedshard_lightning; this version reads {FORMAT}: fit the run again"
+                )
             raise CacheError(
                 f"{self.root / version}/manifest.json is not an FLCache manifest (format {FORMAT})"
             )
@@ -229,7 +153,84 @@ class FLCache:
                 f"{self.root / version}/manifest.json has a malformed file list (plain file names with "
                 "SHA-256 checksums expected); the cache is damaged"
             )
+        stacks = data.setdefault("stacks", {})
+        if not isinstance(stacks, dict) or not all(
+            isinstance(k, str) and _plain_name(k) and self._valid_stack(v) for k, v in stacks.items()
+        ):
+            raise CacheError(
+                f"{self.root / version}/manifest.json has a malformed stack list (row counts, snapshot "
+                "and delta digests expected); the cache is damaged"
+            )
+        for field in LOG_FIELDS:
+            if field in data:
+                data[field] = self._read_log(data[field], f"{field} of {self.root / version}/manifest.json")
         return data
+
+    def log_digests(self, manifest_path: Path) -> list[str]:
+        """Blob digests of the log entries (e.g. the request reports) that a stored manifest names."""
+        raw = self._read_json(manifest_path)
+        out = []
+        for field in LOG_FIELDS:
+            ref = raw.get(field)
+            if isinstance(ref, dict) and isinstance(ref.get("blobs"), list):
+                out.extend(ref["blobs"])
+        return out
+
+    def _read_log(self, ref: Any, what: str) -> list[Any]:
+        """An append-only log field: stored as ``{"blobs": [digest, ...]}``, one JSON blob per entry.
+
+        A plain list (the inline log of manifests written before the log moved to blobs) is read as is.
+        """
+        if isinstance(ref, list):
+            return ref
+        if not isinstance(ref, dict) or not isinstance(ref.get("blobs"), list):
+            raise CacheError(f"{what} is malformed (a list of entry digests expected); the cache is damaged")
+        entries = []
+        for digest in ref["blobs"]:
+            if not isinstance(digest, str) or not _SHA256.match(digest):
+                raise CacheError(
+                    f"{what} is malformed (a list of entry digests expected); the cache is damaged"
+                )
+            try:
+                entries.append(json.loads(self._read_blob(digest, what, None).decode("utf-8")))
+            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+                raise CacheError(f"{what}: entry {self.blob_path(digest)} is not valid JSON") from None
+        return entries
+
+    def blob_path(self, digest: str) -> Path:
+        """Where the blob with this SHA-256 lives (``digest`` must be 64 lowercase hex digits)."""
+        if not isinstance(digest, str) or not _SHA256.match(digest):
+            raise CacheError(f"{digest!r} is not a SHA-256 digest; the cache is damaged")
+        return self.root / BLOBS / digest[:2] / digest
+
+    def _read_blob(self, digest: str, what: str, version: str | None) -> bytes:
+        path = self.blob_path(digest)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            if version is not None and version in self.pruned():
+                raise CacheError(
+                    f"{what}: blob {path} is gone: `cache gc` pruned version {version} (its manifest "
+                    "stays as history, its models do not)"
+                ) from None
+            raise CacheError(
+                f"{what}: missing tensor file {path}; the run directory is incomplete or was moved"
+            ) from None
+        except OSError as e:
+            raise CacheError(f"{what}: cannot read {path} ({e.strerror or e})") from None
+        if hashlib.sha256(data).hexdigest() != digest:
+            raise CacheError(
+                f"{what}: checksum mismatch for {path}: the file was modified or corrupted; refusing to load it"
+            )
+        return data
+
+    def path_of(self, name: str, version: str | None = None, manifest: dict[str, Any] | None = None) -> Path:
+        """The blob that holds file ``name`` of a version (default: current)."""
+        version = version or self.current()
+        files = (manifest if manifest is not None else self.manifest(version)).get("files", {})
+        if name not in files:
+            raise CacheError(f"the cache version {version} has no file {name!r}")
+        return self.blob_path(files[name])
 
     def tensors(
         self,
@@ -245,21 +246,50 @@ class FLCache:
             version: Version folder (default: current).
             device: Device of the returned tensors.
             manifest: That version's manifest when the caller holds it already (``manifest(version)``);
-                saves parsing it again for every file (a manifest holds O(K * P) client ids).
+                saves parsing it again for every file.
+
+        ``NAME.safetensors`` where the version has a stack ``NAME`` returns the stacked rows (the
+        file that format 1 stored), so readers of whole stage files keep working.
         """
         version = version or self.current()
-        files = (manifest if manifest is not None else self.manifest(version)).get("files", {})
+        manifest = manifest if manifest is not None else self.manifest(version)
+        files = manifest.get("files", {})
+        stem = name.removesuffix(".safetensors")
+        if name not in files and stem != name and stem in manifest.get("stacks", {}):
+            return self.stack(stem, version, device, manifest)  # a stack reads as the file it was in format 1
         if name not in files:
             raise CacheError(f"the cache version {version} has no file {name!r}")
-        return load_tensors(self.root / version / name, files[name], device)
+        what = f"{name} of cache version {version}"
+        data = self._read_blob(files[name], what, version)
+        try:
+            out = load(data)
+        except (SafetensorError, ValueError) as e:
+            raise CacheError(
+                f"{self.blob_path(files[name])} ({what}) is not a valid safetensors file ({e}); refusing to load it"
+            ) from None
+        # Sorted like load_file's: safetensors.torch.load (from bytes) returns a hash map's order,
+        # which differs between processes (DDP ranks would then gather parameters in different orders).
+        return {k: out[k].to(device) for k in sorted(out)}
 
     def verify(self, version: str | None = None) -> None:
-        """Check every file of a version against its checksum."""
+        """Check every blob of a version against its digest (only its indexes when gc pruned it)."""
         version = version or self.current()
-        for name, digest in self.manifest(version).get("files", {}).items():
-            path = self.root / version / name
-            if not path.is_file() or sha256_file(path) != digest:
-                raise CacheError(f"cache file {path} is missing or corrupted (checksum mismatch)")
+        manifest = self.manifest(version)
+        pruned = version in self.pruned()
+        for name in manifest.get("stacks", {}):
+            digests = self.stack_digests(name, version, manifest)
+            if pruned:
+                continue
+            for d in set(digests):
+                self._verify_blob(d)
+        if not pruned:
+            for digest in manifest.get("files", {}).values():
+                self._verify_blob(digest)
+
+    def _verify_blob(self, digest: str) -> None:
+        path = self.blob_path(digest)
+        if not path.is_file() or sha256_file(path) != digest:
+            raise CacheError(f"cache file {path} is missing or corrupted (checksum mismatch)")
 
     @staticmethod
     def _read_json(path: Path) -> dict[str, Any]:
@@ -278,67 +308,118 @@ class FLCache:
         return data
 
     # -- writing ---------------------------------------------------------------------------------
+    def lock(self) -> contextlib.AbstractContextManager[None]:
+        """Exclusive lock of the cache for writers (blocking; not re-entrant)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        return _flock(self.root)
+
+    def _put(self, data: bytes, touched: list[Path], dirs: set[Path]) -> str:
+        """Store ``data`` as a blob unless an intact one exists; return its digest.
+
+        Both new and existing blobs go to ``touched``, to be made durable before the manifest that
+        names them: an existing one may be the unsynced leftover of a writer that was killed.
+        """
+        digest = hashlib.sha256(data).hexdigest()
+        path = self.blob_path(digest)
+        try:
+            if path.stat().st_size == len(data):
+                touched.append(path)
+                return digest  # content-addressed: same name, same bytes (size checked against a torn file)
+        except FileNotFoundError:
+            pass
+        if path.parent not in dirs:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            dirs.add(path.parent)
+        tmp = path.with_name(f".{digest}.tmp-{os.getpid()}")
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+        touched.append(path)
+        return digest
+
     def commit(
         self,
         name: str,
         manifest: dict[str, Any],
         tensors: dict[str, dict[str, Tensor]],
         reuse: dict[str, str] | None = None,
+        stacks: dict[str, StackWrite] | None = None,
     ) -> str:
         """Write a new version atomically and make it current.
 
         Args:
             name: Folder name of the new version (must be new).
-            manifest: Structure to store; ``format`` and ``files`` are filled in.
-            tensors: New tensor files, name -> tensors.
-            reuse: Files taken unchanged from the current version, name -> name there (hard links).
+            manifest: Structure to store; ``format``, ``files`` and ``stacks`` are filled in.
+            tensors: Tensor files, name -> tensors (stored as blobs; identical bytes are stored once).
+            reuse: Files taken unchanged from the current version, name -> name there (no copy).
+            stacks: Stacks of models, name -> :class:`StackWrite` (one blob per row).
 
         Returns:
             The committed version's name.
         """
-        if not _plain_name(name):
+        if not _plain_name(name) or name == BLOBS:
             raise CacheError(f"cache version name {name!r} must be a plain folder name")
-        self.root.mkdir(parents=True, exist_ok=True)
-        remove_stale_tmp(self.root)
-        final = self.root / name
-        if final.exists():
-            raise CacheError(f"cache version {final} exists already; refusing to overwrite it")
-        tmp = self.root / f".{name}.tmp-{os.getpid()}"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-        files: dict[str, str] = {}
-        if reuse:
-            base = self.current()
-            base_files = self.manifest(base)["files"]
-            for new_name, old_name in reuse.items():
-                src = self.root / base / old_name
-                try:
-                    os.link(src, tmp / new_name)
-                except OSError:
-                    shutil.copy2(src, tmp / new_name)
-                files[new_name] = base_files[old_name]
-        for fname, tens in tensors.items():
-            files[fname] = atomic_save_tensors(tmp / fname, tens)
-        body = {**manifest, "format": FORMAT, "files": files}
-        # One line: a manifest holds O(K * P) client ids; indenting them made it 2.5x larger and
-        # json's pure-Python encoder (used whenever indent is set) 10x slower at K = 4096.
-        atomic_write_json(tmp / "manifest.json", body, indent=None)
-        _fsync_dir(tmp)
-        os.replace(tmp, final)
-        _fsync_dir(self.root)
-        atomic_write_json(
-            self.root / "CURRENT", {"version": name, "manifest_sha256": sha256_file(final / "manifest.json")}
-        )
+        with self.lock():
+            remove_stale_tmp(self.root)
+            final = self.root / name
+            if final.exists():
+                raise CacheError(f"cache version {final} exists already; refusing to overwrite it")
+            tmp = self.root / f".{name}.tmp-{os.getpid()}"
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+            base_version = self.current() if self.exists() and (reuse or stacks) else None
+            base = self.manifest(base_version) if base_version is not None else None
+            touched: list[Path] = []
+            dirs: set[Path] = set()
+            files: dict[str, str] = {}
+            for new_name, old_name in (reuse or {}).items():
+                if base is None or old_name not in base["files"]:
+                    raise CacheError(f"cannot reuse {old_name!r}: the current version has no such file")
+                files[new_name] = base["files"][old_name]
+                if not self.blob_path(files[new_name]).is_file():
+                    raise CacheError(f"cannot reuse {old_name!r}: its blob is gone (pruned by cache gc?)")
+            for fname, tens in tensors.items():
+                files[fname] = self._put(
+                    save({k: v.detach().contiguous().cpu() for k, v in tens.items()}), touched, dirs
+                )
+            stack_entries = {
+                sname: self._write_stack(sname, st, base, base_version, touched, dirs)
+                for sname, st in (stacks or {}).items()
+            }
+            logs = {
+                field: {
+                    "blobs": [
+                        self._put(json.dumps(entry, sort_keys=True).encode(), touched, dirs)
+                        for entry in manifest[field]
+                    ]
+                }
+                for field in LOG_FIELDS
+                if isinstance(manifest.get(field), list)
+            }
+            body = {**manifest, **logs, "format": FORMAT, "files": files, "stacks": stack_entries}
+            _sync_paths(touched, dirs | {self.root / BLOBS} if touched else dirs)
+            # One line: json's pure-Python encoder (used whenever indent is set) is 10x slower.
+            atomic_write_json(tmp / "manifest.json", body, indent=None)
+            _fsync_dir(tmp)
+            os.replace(tmp, final)
+            _fsync_dir(self.root)
+            atomic_write_json(
+                self.root / "CURRENT",
+                {"version": name, "manifest_sha256": sha256_file(final / "manifest.json")},
+            )
         return name
 
     def set_current(self, version: str) -> None:
         """Point CURRENT at an existing committed version (used to restore after a replay)."""
+        if version in self.pruned():
+            raise CacheError(f"version {version} was pruned by `cache gc`; it cannot become current again")
         self.manifest(version)
-        atomic_write_json(
-            self.root / "CURRENT",
-            {"version": version, "manifest_sha256": sha256_file(self.root / version / "manifest.json")},
-        )
+        with self.lock():
+            atomic_write_json(
+                self.root / "CURRENT",
+                {"version": version, "manifest_sha256": sha256_file(self.root / version / "manifest.json")},
+            )
 
     def next_name(self, label: str) -> str:
         """A fresh, ordered version name like ``0004-label``."""

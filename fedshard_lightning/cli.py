@@ -1,6 +1,7 @@
 """``python -m fedshard_lightning``: a LightningCLI over :class:`FederatedTrainer`.
 
-Subcommands are the trainer's methods (``fit``, ``test``, ``unlearn``, ``audit``); configs use
+Subcommands are the trainer's methods (``fit``, ``test``, ``unlearn``, ``audit``), plus
+``cache gc`` / ``cache verify`` (:mod:`fedshard_lightning.cache_command`, no config needed); configs use
 ``class_path``/``init_args`` for the model, the data, the algorithm and callbacks. Every error a
 user can cause is printed as one line, ``error: ...``, with exit status 2 and no traceback.
 """
@@ -242,6 +243,11 @@ def main(args: list[str] | None = None) -> None:
         runs_main(argv[1:])
         return
     try:
+        if argv[:1] == ["cache"]:  # maintenance without a config: cache gc / verify
+            from fedshard_lightning.cache_command import cache_main
+
+            cache_main(argv[1:])
+            return
         _check_config_files(argv)
         FederatedCLI(args=args)
     except FedShardError as e:

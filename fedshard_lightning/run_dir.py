@@ -184,11 +184,13 @@ def model_is_stale(path: Path, params: dict[str, Tensor], device: torch.device) 
 def _version_with_requests(cache: FLCache, n: int) -> str | None:
     """The oldest cache version whose manifest holds at least ``n`` requests (where request n landed)."""
     for version in cache.versions():
-        try:
-            if len(cache.manifest(version).get("requests", [])) >= n:
-                return version
-        except CacheError:
+        try:  # the raw manifest: the request log is a list of blob digests (format 2), none is read
+            raw = json.loads((cache.root / version / "manifest.json").read_bytes())
+        except (OSError, ValueError):
             continue
+        log = raw.get("requests", []) if isinstance(raw, dict) else []
+        if len(log.get("blobs", []) if isinstance(log, dict) else log) >= n:
+            return version
     return None
 
 
@@ -203,6 +205,8 @@ def recover_reports(run_dir: Path, cache: FLCache, requests: list[dict[str, Any]
     committed = journal.committed()
     for i, report in enumerate(requests, start=1):
         rpath = run_dir / "unlearning" / f"{i:04d}" / "report.json"
+        if rpath.is_file() and i in committed:
+            continue  # nothing to recover (the common case: no version scan)
         version = report.get("cache_version") or _version_with_requests(cache, i)
         if not rpath.is_file():
             report = {**report, "cache_version": version}

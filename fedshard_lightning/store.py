@@ -3,8 +3,10 @@
 Algorithms only say which files their state is (:meth:`Algorithm.cache_files`) and how to read
 them back (:meth:`Algorithm.restore_cache`); :class:`RunStore` adds what every manifest carries
 (algorithm, fingerprint, init args, the base state, the request log, seed, vectorization mode),
-writes ``theta0`` once and hard-links it afterwards, commits, and restores the base state itself,
-so no algorithm can forget to persist ``unlearned`` or ``total_client_steps``.
+writes ``theta0`` once and shares its blob afterwards, commits (with the algorithm's stacks of
+models, :meth:`Algorithm.cache_stacks`, of which only the changed rows are written), and
+restores the base state itself, so no algorithm can forget to persist ``unlearned`` or
+``total_client_steps``.
 """
 
 from __future__ import annotations
@@ -95,7 +97,10 @@ class RunStore:
             "torch_threads": torch.get_num_threads(),
             **fields,
         }
-        version = self.cache.commit(self.cache.next_name(label), manifest, tensors, reuse=reuse)
+        stacks = algorithm.cache_stacks(self.cache)
+        version = self.cache.commit(
+            self.cache.next_name(label), manifest, tensors, reuse=reuse, stacks=stacks
+        )
         self._theta0 = algorithm.theta0
         algorithm.committed(self.cache, version)
         return version

@@ -194,7 +194,7 @@ def test_readme_python_api_matches_digits_config():
     from fedshard_lightning.cli import FederatedCLI
 
     text = (ROOT / "README.md").read_text()
-    block = text.split("```python\n", 1)[1].split("```", 1)[0]
+    block = text.split("## Python API", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     namespace: dict = {}
     exec(block.split("trainer = ", 1)[0], namespace)  # definitions only, nothing trains
     cli = FederatedCLI(args=["--config", str(ROOT / "configs" / "digits.yaml")], run=False)

@@ -16,8 +16,9 @@ The protocol, driven by :class:`~fedshard_lightning.trainer.FederatedTrainer`:
   reused instance behaves like a fresh one;
 * ``fit()`` continues training from the state (a fresh state trains everything) and returns the
   final model; it reports ``events.stage_end`` after each complete stage (the trainer commits);
-* ``cache_files(cache)`` / ``restore_cache(...)`` turn the state into files and back (the defaults
-  store tensor dicts as safetensors and the rest as JSON);
+* ``cache_files(cache)`` (and ``cache_stacks(cache)``, one blob per model row) / ``restore_cache(...)``
+  turn the state into files and back (the defaults store tensor dicts as safetensors and the rest
+  as JSON);
 * ``predict_cost(clients)``, ``retrain_cost(clients)`` and ``unlearn(clients)`` serve requests;
   :meth:`Algorithm.what_if` is the pure form ``state, clients -> new state, result``.
 """
@@ -259,8 +260,16 @@ class Algorithm(RecordsInitArgs):
                 state[f] = v
         return {"state": state}, tensors, {}
 
+    def cache_stacks(self, cache: Any) -> dict[str, Any]:
+        """Stacks of models to commit besides :meth:`cache_files`: name -> ``cache.StackWrite``.
+
+        One blob per row (e.g. FedShard's shard models of a stage), written only for the rows the
+        ``StackWrite`` names as changed since ``cache``'s current version. None by default.
+        """
+        return {}
+
     def committed(self, cache: Any, version: str) -> None:
-        """The state now lives in ``version`` (e.g. to hard-link unchanged files next time)."""
+        """The state now lives in ``version`` (e.g. to write only what changed next time)."""
 
     def restore_cache(self, cache: Any, manifest: dict[str, Any], device: torch.device) -> None:
         """Restore the fields that :meth:`cache_files` wrote (``theta0`` and the base state are the trainer's)."""

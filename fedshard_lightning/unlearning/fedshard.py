@@ -89,7 +89,7 @@ class FedShard(ShardCache, Algorithm):
     """
 
     name = "fedshard"
-    state_fields = (*Algorithm.state_fields, "tree", "records", "models", "stage_seconds")
+    state_fields = (*Algorithm.state_fields, "tree", "records", "models", "stage_seconds", "changed")
 
     def __init__(
         self,
@@ -134,7 +134,7 @@ class FedShard(ShardCache, Algorithm):
         self.stage_seconds: list[float] = []
         self._sizes: list[int] = []
         self._steps: list[int] = []
-        self._committed = None  # see ShardCache
+        self.changed: dict[int, list[int] | None] = {}  # see ShardCache
 
     def setup(self, ctx: AlgorithmContext) -> None:
         """Build the engine; remember every client's sample count and local steps per round."""
@@ -145,13 +145,13 @@ class FedShard(ShardCache, Algorithm):
     def initial_state(self, theta0: dict[str, Tensor]) -> dict[str, Any]:
         """An empty tree over the K clients; the round policy forgets any earlier calibration."""
         self.round_policy.load_state_dict(self._fresh_round_policy)
-        tree = ShardTree(self.num_clients, self.merge_rate)
         return {
             **super().initial_state(theta0),
-            "tree": tree,
+            "tree": ShardTree(self.num_clients, self.merge_rate),
             "records": [],
             "models": [],
             "stage_seconds": [],
+            "changed": {},
         }
 
     def reset(self, theta0: dict[str, Tensor], exclude: Sequence[int] = ()) -> None:
@@ -278,6 +278,7 @@ class FedShard(ShardCache, Algorithm):
                 rec.alpha = float(a)
             self.records.append(records)
             self.models.append(res.params)
+            self.mark_changed(new_stage=stage)
             self.total_client_steps += res.client_steps
             self.stage_seconds.append(time.perf_counter() - t)
             stage_metrics = {
@@ -442,6 +443,7 @@ class FedShard(ShardCache, Algorithm):
         seconds = time.perf_counter() - t
         self.records, self.models = records, models
         self.unlearned = sorted(gone)
+        self.mark_changed(retrained)
         emptied = [(p, i) for p, recs in enumerate(records, start=1) for i, r in enumerate(recs) if r.empty]
         return UnlearnResult(
             self.current_params(),

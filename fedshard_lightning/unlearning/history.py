@@ -34,7 +34,7 @@ class UpdateHistory:
 
     A round recorded by :meth:`add` stays in memory until a cache commit stores it
     (:meth:`files` then :meth:`committed`); afterwards it is read back from its cache version on
-    demand. Files already in the cache are hard-linked into later versions, never rewritten.
+    demand. Files already in the cache are shared by later versions (same blob), never rewritten.
     """
 
     def __init__(self) -> None:
@@ -206,7 +206,7 @@ class HistoryFedAvg(FedAvg):
     def cache_files(
         self, cache: FLCache
     ) -> tuple[dict[str, Any], dict[str, dict[str, Tensor]], dict[str, str]]:
-        """The current model and the retained rounds (hard links once written)."""
+        """The current model and the retained rounds (shared blobs once written)."""
         fields, tensors, reuse = super().cache_files(cache)
         hist_tensors, hist_reuse = self.history.files(cache)
         return (

@@ -3,19 +3,30 @@
 :class:`ShardRecord` is a shard's metadata (children, clients, merge weight, alpha, rounds, the
 clients that remain after unlearning); the shard models are stacked per stage. :class:`ShardCache`
 gives :class:`~fedshard_lightning.unlearning.fedshard.FedShard` its ``cache_files`` /
-``restore_cache``: one ``stage_<p>.safetensors`` per stage and the records in the manifest, with
-the stages that did not change since the last commit hard-linked instead of rewritten.
+``cache_stacks`` / ``restore_cache`` (FLCache format 2): one stack ``stage_<p>`` per stage (one blob
+per shard model), and the frozen structure of each stage (children, alpha, rounds) as one
+``structure_<p>.safetensors`` that every later version shares. Clients, remaining clients and
+weights are not stored: they follow from the tree, the unlearned clients and the client weights.
+
+Which shards changed is part of the state (``changed``: stage -> changed rows, ``None`` for a whole
+new stage), declared by ``fit`` and ``unlearn``; the trainer's commit then writes only those rows
+(a request adds one blob per shard it retrained). A stage whose tensors are the very objects of the
+last committed version writes nothing; when the state did not come from the cache's current
+version, every row is hashed and only missing blobs are written (content addressing makes the
+result the same either way).
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from fedshard_lightning.cache import FLCache
+from fedshard_lightning.cache import FLCache, StackWrite
 from fedshard_lightning.errors import CacheError
 from fedshard_lightning.sharding import ShardTree
 
@@ -68,72 +79,142 @@ class ShardCache:
     tree: ShardTree
     records: list[list[ShardRecord]]
     models: list[dict[str, Tensor]]
+    changed: dict[int, list[int] | None]
     merge_rate: int
     _committed: tuple[str, str, dict[int, dict[str, Tensor]]] | None = None
-    """(cache root, version, {stage: models}): the in-memory stage models that are the files of that
-    committed version, so the next commit hard-links the stages that did not change."""
+    """(cache root, version, {stage: models}): the in-memory stage models that are the stacks of that
+    committed version; ``changed`` is relative to it."""
+
+    def mark_changed(self, shards: Iterable[tuple[int, int]] = (), new_stage: int | None = None) -> None:
+        """Declare shards ``(stage, index)`` changed since the last commit, or a whole new stage.
+
+        ``changed`` is replaced, never mutated, so states handed out before stay as they were.
+        """
+        changed = dict(self.changed)
+        if new_stage is not None:
+            changed[new_stage] = None
+        for p, i in shards:
+            if p not in changed or changed[p] is not None:
+                changed[p] = sorted({*changed.get(p, []), int(i)})
+        self.changed = changed
+
+    def _structure(self, stage: int) -> dict[str, Tensor]:
+        """The frozen metadata of a stage's shards: children (in aggregation order), alpha, rounds.
+
+        It never changes after the stage is trained, so its blob is written once per run and every
+        later version shares it.
+        """
+        recs = self.records[stage - 1]
+        lengths = torch.tensor([len(r.children) for r in recs], dtype=torch.int64)
+        return {
+            "children": torch.tensor([c for r in recs for c in r.children], dtype=torch.int64),
+            "offsets": torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
+            "alpha": torch.tensor([r.alpha for r in recs], dtype=torch.float64),
+            "rounds": torch.tensor([r.rounds for r in recs], dtype=torch.int64),
+        }
 
     def cache_files(
         self, cache: FLCache
     ) -> tuple[dict[str, Any], dict[str, dict[str, Tensor]], dict[str, str]]:
-        """Every completed stage's shard models and the tree's records (unchanged stages hard-linked)."""
+        """The stage count, the client sizes and every completed stage's frozen structure."""
+        stages = len(self.records)
         fields = {
             "merge_rate": self.merge_rate,
             "planned_stages": self.planned_stages,
-            "client_sizes": list(self._sizes),
-            "tree": self.tree.to_dict(),
-            "stages": [[r.to_dict() for r in recs] for recs in self.records],
+            "stages_done": stages,
             "round_policy_state": self.round_policy.state_dict(),
         }
-        tensors, reuse = {}, {}
-        base_version = cache.current() if cache.exists() else None
-        base = cache.manifest(base_version) if base_version is not None else None
+        tensors = {"client_sizes.safetensors": {"sizes": torch.tensor(self._sizes, dtype=torch.int64)}}
+        for p in range(1, stages + 1):
+            tensors[f"structure_{p}.safetensors"] = self._structure(p)
+        return fields, tensors, {}
+
+    def cache_stacks(self, cache: FLCache) -> dict[str, StackWrite]:
+        """One stack per stage; only the rows changed since the committed version are written."""
+        committed = self._committed
+        clean = (
+            committed is not None
+            and cache.exists()
+            and committed[0] == str(cache.root)
+            and committed[1] == cache.current()
+        )
+        stacks = {}
         for p, m in enumerate(self.models, start=1):
-            fname = f"stage_{p}.safetensors"
-            if (
-                base is not None
-                and fname in base["files"]
-                and self._stage_unchanged(p, base, cache, base_version)
-            ):
-                reuse[fname] = fname
-            else:
-                tensors[fname] = m
-        return fields, tensors, reuse
+            rows: list[int] | None = None
+            if clean:
+                before = committed[2].get(p)
+                if _same_tensors(before, m):
+                    rows = []
+                elif before is not None:
+                    rows = self.changed.get(p)
+            stacks[f"stage_{p}"] = StackWrite(m, rows)
+        return stacks
 
     def committed(self, cache: FLCache, version: str) -> None:
-        """Remember that the current stage models are the files of ``version``."""
+        """The current stage models are the stacks of ``version``; nothing has changed since."""
         self._committed = (str(cache.root), version, dict(enumerate(self.models, start=1)))
+        self.changed = {}
 
-    def _stage_unchanged(self, stage: int, base: dict[str, Any], cache: FLCache, base_version: str) -> bool:
-        """Whether stage ``stage``'s file in ``base_version`` holds exactly the current records and models.
+    def _records_from(self, structures: list[dict[str, Tensor]], gone: set[int]) -> list[list[ShardRecord]]:
+        """Records of every stage from the frozen structure, the tree and the unlearned clients.
 
-        True for the stages a fit committed before (each stage commit hard-links the earlier
-        stages instead of rewriting them) and for stages loaded from ``base_version``.
+        Remaining clients and weights are recomputed exactly as ``_replay`` does after a request
+        (weights are sums of integer-valued client weights, so the order of summation is exact).
         """
-        stages = base.get("stages", [])
-        committed = self._committed
-        return (
-            committed is not None
-            and committed[0] == str(cache.root)
-            and committed[1] == base_version
-            and committed[2].get(stage) is self.models[stage - 1]
-            and len(stages) >= stage
-            and stages[stage - 1] == [r.to_dict() for r in self.records[stage - 1]]
-        )
+        stages = self.tree.stages
+        records: list[list[ShardRecord]] = []
+        for p, st in enumerate(structures, start=1):
+            alpha, rounds = st["alpha"].tolist(), st["rounds"].tolist()
+            shards = stages[p]
+            if len(alpha) != len(shards) or len(rounds) != len(shards):
+                raise ValueError(f"structure of stage {p}: {len(alpha)} shards, the tree has {len(shards)}")
+            recs = []
+            for i, sh in enumerate(shards):
+                remaining = [c for c in sh.clients if c not in gone] if gone else list(sh.clients)
+                if p == 1:
+                    weight = float(sum(self._client_weight(c) for c in remaining))
+                else:
+                    weight = float(sum(records[-1][ch].weight for ch in sh.children))
+                recs.append(
+                    ShardRecord(
+                        list(sh.children), list(sh.clients), weight, alpha[i], int(rounds[i]), remaining
+                    )
+                )
+            records.append(recs)
+        return records
 
     def restore_cache(self, cache: FLCache, manifest: dict[str, Any], device: torch.device) -> None:
-        """Restore the tree, the records and every stage's shard models."""
+        """Restore the tree and the records from the frozen structure, and every stage's shard models."""
         version = cache.current()
         if manifest.get("merge_rate") != self.merge_rate:
             raise CacheError(f"{cache.root}: the cache was made for another number of clients or merge rate")
+        stages = manifest.get("stages_done")
+        if isinstance(stages, bool) or not isinstance(stages, int) or not 0 <= stages <= self.planned_stages:
+            raise CacheError(f"{cache.root}: the manifest's stage count {stages!r} is malformed")
+        structures = [
+            cache.tensors(f"structure_{p}.safetensors", version=version, manifest=manifest)
+            for p in range(1, stages + 1)
+        ]
+        gone = {int(c) for c in manifest.get("unlearned", [])}
         try:
-            self.tree = ShardTree.from_dict(manifest["tree"])
-            self.records = [[ShardRecord.from_dict(r) for r in recs] for recs in manifest["stages"]]
+            children = []
+            for st in structures:
+                flat, offsets = st["children"].tolist(), st["offsets"].tolist()
+                children.append([flat[a:b] for a, b in itertools.pairwise(offsets)])
+            self.tree = ShardTree.from_dict(
+                {
+                    "version": 1,
+                    "num_clients": self.num_clients,
+                    "merge_rate": self.merge_rate,
+                    "stages": children,
+                }
+            )
+            self.records = self._records_from(structures, gone)
         except (KeyError, TypeError, ValueError) as e:
-            raise CacheError(f"{cache.root}: the manifest's tree is malformed ({e})") from None
+            raise CacheError(f"{cache.root}: the cached tree is malformed ({e})") from None
         self.models = [
-            cache.tensors(f"stage_{p}.safetensors", version=version, device=device, manifest=manifest)
-            for p in range(1, len(self.records) + 1)
+            cache.stack(f"stage_{p}", version=version, device=device, manifest=manifest)
+            for p in range(1, stages + 1)
         ]
         self.stage_seconds = []
         self.committed(cache, version)
@@ -142,4 +223,11 @@ class ShardCache:
 
     def resumable(self, manifest: dict[str, Any]) -> bool:
         """A partial fit continues after its last complete stage."""
-        return manifest.get("stages") is not None
+        return manifest.get("stages_done") is not None
+
+
+def _same_tensors(a: Any, b: Any) -> bool:
+    """The same tensor objects under the same names."""
+    return (
+        isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys() and all(a[k] is b[k] for k in a)
+    )

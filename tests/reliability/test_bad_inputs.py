@@ -46,7 +46,8 @@ def _damage_runs(env: Env) -> None:
     incomplete = copy_run(env.run, env.root / "incomplete")
     FLCache(incomplete / "cache").set_current("0001-stage-1")
     no_stage = copy_run(env.run, env.root / "no_stage")
-    (no_stage / "cache" / version / "stage_2.safetensors").unlink()
+    no_stage_cache = FLCache(no_stage / "cache")
+    no_stage_cache.blob_path(no_stage_cache.stack_digests("stage_2", version)[0]).unlink()
     no_model = copy_run(env.run, env.root / "no_model")
     (no_model / "model.safetensors").unlink()
     (env.root / "empty").mkdir()
@@ -216,7 +217,7 @@ CASES: dict[str, tuple] = {
     "run_current_dangling": (unlearn("[1]", "dangling"), "CURRENT"),
     "run_current_dangling_resume": (on_run("fit", "dangling"), "CURRENT"),
     "run_fit_unfinished": (unlearn("[1]", "incomplete"), "stage 1 of 3"),
-    "run_stage_file_missing": (on_run("audit", "no_stage"), "stage_2.safetensors"),
+    "run_stage_file_missing": (on_run("audit", "no_stage"), "stack stage_2"),
     "ckpt_path_is_a_file_test": (on_run("test", "model.pt"), "model.pt"),
     "ckpt_path_is_a_file_unlearn": (unlearn("[1]", "model.pt"), "model.pt"),
 }

@@ -89,6 +89,7 @@ def test_same_seed_same_bytes_and_resumed_runs_match_across_processes(tmp_path, 
     ).read_bytes()
     a, b = FLCache(reference_run / "cache"), FLCache(tmp_path / "b" / "cache")
     assert a.manifest()["files"] == b.manifest()["files"], "every cached tensor file is byte-identical"
+    assert a.manifest()["stacks"] == b.manifest()["stacks"], "every shard model blob is byte-identical"
 
 
 def test_resume_with_auto_vectorize_keeps_the_runs_mode(tmp_path, monkeypatch, reference_run):

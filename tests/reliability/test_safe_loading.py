@@ -8,6 +8,7 @@ without unpickling.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import pickle
 from pathlib import Path
@@ -82,12 +83,20 @@ def test_the_payload_is_live(tmp_path):
 TENSOR_FILES = ["theta0.safetensors", "stage_1.safetensors", "stage_2.safetensors", "stage_3.safetensors"]
 
 
+def _blob(cache: FLCache, name: str) -> Path:
+    """The blob behind a tensor file; a stage's models are a stack of blobs (its row 1 here)."""
+    stem = name.removesuffix(".safetensors")
+    if stem in cache.manifest()["stacks"]:
+        return cache.blob_path(cache.stack_digests(stem)[1 if len(cache.stack_digests(stem)) > 1 else 0])
+    return cache.path_of(name)
+
+
 @pytest.mark.parametrize("name", TENSOR_FILES)
 def test_malicious_pickle_in_the_cache_is_refused(run, restore, tmp_path, name):
     cache = FLCache(run / "cache")
     version = cache.current()
     marker = tmp_path / "pwned"
-    _replace(run / "cache" / version / name, _evil_bytes(marker))
+    _replace(_blob(cache, name), _evil_bytes(marker))
     with pytest.raises(CacheError, match="checksum mismatch"):
         cache.tensors(name)
     # An attacker who also rewrites the checksums: still only parsed as safetensors, never unpickled.
@@ -98,9 +107,20 @@ def test_malicious_pickle_in_the_cache_is_refused(run, restore, tmp_path, name):
 
 
 def _rehash(run: Path, version: str, name: str) -> None:
+    """What an attacker who also rewrites checksums does: store the bad bytes under their own digest
+    and point the manifest (and CURRENT) at them."""
+    cache = FLCache(run / "cache")
+    data = _blob(cache, name).read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    cache.blob_path(digest).parent.mkdir(parents=True, exist_ok=True)
+    cache.blob_path(digest).write_bytes(data)
     manifest_path = run / "cache" / version / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
-    manifest["files"][name] = sha256_file(run / "cache" / version / name)
+    stem = name.removesuffix(".safetensors")
+    if stem in manifest["stacks"]:
+        manifest["stacks"][stem]["delta"]["1" if manifest["stacks"][stem]["rows"] > 1 else "0"] = digest
+    else:
+        manifest["files"][name] = digest
     manifest_path.write_text(json.dumps(manifest))
     (run / "cache" / "CURRENT").write_text(
         json.dumps({"version": version, "manifest_sha256": sha256_file(manifest_path)})
@@ -108,37 +128,39 @@ def _rehash(run: Path, version: str, name: str) -> None:
 
 
 def test_malicious_pickle_in_the_cache_is_a_one_line_cli_error(run, restore, tmp_path, reference_run):
-    version = FLCache(run / "cache").current()
+    cache = FLCache(run / "cache")
+    version = cache.current()
     marker = tmp_path / "pwned"
-    _replace(run / "cache" / version / "stage_2.safetensors", _evil_bytes(marker))
+    _replace(_blob(cache, "stage_2.safetensors"), _evil_bytes(marker))
     config = str(reference_run / "config.yaml")
     code, _, err = cli(["audit", "--config", config, "--ckpt_path", str(run)])
-    _one_line_error(code, err, "stage_2.safetensors", "checksum")
+    _one_line_error(code, err, "stack stage_2", "checksum")
     _rehash(run, version, "stage_2.safetensors")
     code, _, err = cli(["unlearn", "--config", config, "--ckpt_path", str(run), "--clients", "[1]"])
-    _one_line_error(code, err, "stage_2.safetensors", "not a valid safetensors file")
+    _one_line_error(code, err, "stack stage_2", "not a valid safetensors file")
     assert not marker.exists()
 
 
 @pytest.mark.parametrize("where", ["header", "middle", "last"])
 @pytest.mark.parametrize("name", TENSOR_FILES)
 def test_a_flipped_byte_in_any_tensor_file_is_detected(run, restore, name, where):
-    assert sorted(FLCache(run / "cache").manifest()["files"]) == sorted(TENSOR_FILES)
     cache = FLCache(run / "cache")
-    path = run / "cache" / cache.current() / name
+    manifest = cache.manifest()
+    assert {*manifest["files"], *(f"{s}.safetensors" for s in manifest["stacks"])} >= set(TENSOR_FILES)
+    path = _blob(cache, name)
     data = bytearray(path.read_bytes())
     pos = {"header": 12, "middle": len(data) // 2, "last": len(data) - 1}[where]
     data[pos] ^= 0x01
     _replace(path, bytes(data))
     with pytest.raises(CacheError, match="checksum mismatch"):
         cache.tensors(name)
-    with pytest.raises(CacheError, match=name):
+    with pytest.raises(CacheError, match=path.name):
         cache.verify()
 
 
 def test_a_flipped_byte_fails_the_cli_with_one_line(run, restore, reference_run):
     cache = FLCache(run / "cache")
-    path = run / "cache" / cache.current() / "stage_3.safetensors"
+    path = _blob(cache, "stage_3.safetensors")
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x80
     _replace(path, bytes(data))
@@ -154,7 +176,7 @@ def test_a_flipped_byte_fails_the_cli_with_one_line(run, restore, reference_run)
             "[1]",
         ]
     )
-    _one_line_error(code, err, "stage_3.safetensors", "checksum mismatch")
+    _one_line_error(code, err, "stack stage_3", "checksum mismatch")
     assert {p: b for p, b in snapshot(run).items() if p in before} == before
 
 
@@ -196,13 +218,33 @@ def test_names_from_current_and_manifest_must_stay_inside_the_cache(run, restore
     (run / "cache" / "CURRENT").write_text(json.dumps(current))
     manifest_path = run / "cache" / version / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
-    manifest["files"]["../../../model.safetensors"] = manifest["files"].pop("stage_3.safetensors")
+    good = json.loads(manifest_path.read_text())
+    manifest["files"]["../../../model.safetensors"] = manifest["files"].pop("theta0.safetensors")
     manifest_path.write_text(json.dumps(manifest))
     (run / "cache" / "CURRENT").write_text(
         json.dumps({**current, "manifest_sha256": sha256_file(manifest_path)})
     )
     with pytest.raises(CacheError, match="malformed file list"):
         cache.manifest()
+    # Blob paths come from validated digests only; stack names are plain names too.
+    for bad in (
+        {"files": {**good["files"], "theta0.safetensors": "../../model.safetensors"}},
+        {"stacks": {**good["stacks"], "../stage_3": good["stacks"]["stage_3"]}},
+        {"stacks": {**good["stacks"], "stage_3": {**good["stacks"]["stage_3"], "snapshot": "../../x"}}},
+        {
+            "stacks": {
+                **good["stacks"],
+                "stage_3": {**good["stacks"]["stage_3"], "delta": {"0": "/etc/passwd"}},
+            }
+        },
+        {"stacks": {**good["stacks"], "stage_3": {**good["stacks"]["stage_3"], "delta": {"7": "0" * 64}}}},
+    ):
+        manifest_path.write_text(json.dumps({**good, **bad}))
+        (run / "cache" / "CURRENT").write_text(
+            json.dumps({**current, "manifest_sha256": sha256_file(manifest_path)})
+        )
+        with pytest.raises(CacheError, match="malformed"):
+            cache.manifest()
 
 
 @pytest.fixture

@@ -101,26 +101,41 @@ def test_resume_is_bit_identical(run_root, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_fit_writes_each_stage_file_once(run_root):
-    """Stage commits hard-link the earlier stages: the cache holds O(K) models, not O(K * P)."""
+def test_fit_stores_each_shard_once_and_a_request_adds_only_its_shards(run_root):
+    """Blobs are shared by versions: the cache holds O(K) models, and a request adds one per retrained shard."""
     run = fit(run_root, k=8)
     cache = FLCache(run / "cache")
     versions = cache.versions()
     assert len(versions) == 3
     for p in (1, 2, 3):
-        inodes = {(run / "cache" / v / f"stage_{p}.safetensors").stat().st_ino for v in versions[p - 1 :]}
-        assert len(inodes) == 1, p
+        digests = {tuple(cache.stack_digests(f"stage_{p}", v)) for v in versions[p - 1 :]}
+        assert len(digests) == 1, p  # every later stage commit shares the stage's blobs
     for v in versions:
         cache.verify(v)
+        assert not (
+            run / "cache" / v / "stage_1.safetensors"
+        ).exists()  # a version folder holds its manifest only
     assert len((run / "cache" / versions[-1] / "manifest.json").read_text().splitlines()) == 1
-    unlearn(run_root, run, [3])  # every stage changes: every stage file is written anew
+    before = {p.name for p in (run / "cache" / "blobs").rglob("*") if p.is_file()}
+    old = {p: cache.stack_digests(f"stage_{p}") for p in (1, 2, 3)}
+    rep = unlearn(run_root, run, [3])  # one shard per stage changes
     new = cache.current()
-    for p in (1, 2, 3):
-        name = f"stage_{p}.safetensors"
-        assert (run / "cache" / new / name).stat().st_ino != (
-            run / "cache" / versions[-1] / name
-        ).stat().st_ino
+    changed = {
+        (p, i)
+        for p in (1, 2, 3)
+        for i, d in enumerate(cache.stack_digests(f"stage_{p}", new))
+        if d != old[p][i]
+    }
+    assert changed == _retrained(rep) and len(changed) == 3
+    added = {p.name for p in (run / "cache" / "blobs").rglob("*") if p.is_file()} - before
+    models_added = added & {d for p in (1, 2, 3) for d in cache.stack_digests(f"stage_{p}", new)}
+    assert len(models_added) == 3  # exactly the retrained shards; the rest is index and metadata
+    assert (
+        cache.manifest(new)["files"]["theta0.safetensors"]
+        == cache.manifest(versions[-1])["files"]["theta0.safetensors"]
+    )
     cache.verify(new)
+    cache.verify(versions[-1])  # the old version stays readable: the audit trail
 
 
 def test_same_seed_bit_identical_other_seed_differs(run_root, tmp_path):
@@ -181,7 +196,7 @@ def test_foreign_and_corrupt_caches_are_refused(run_root):
     with pytest.raises(CacheError, match="another config or dataset"):
         unlearn(run_root, run, [1], fixed_rounds=1, data_kw=dict(seed=3))
     cache = FLCache(run / "cache")
-    stage_file = run / "cache" / cache.current() / "stage_2.safetensors"
+    stage_file = cache.blob_path(cache.stack_digests("stage_2")[1])
     data = bytearray(stage_file.read_bytes())
     data[-3] ^= 0xFF
     stage_file.chmod(0o644)

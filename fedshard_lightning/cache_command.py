@@ -1,0 +1,81 @@
+"""``python -m fedshard_lightning cache gc|verify``: maintenance of a run's FLCache without a config.
+
+``gc --keep N`` keeps the models of the N newest versions (and of the current one) and drops every
+other blob; every manifest and every stack index stays, so the history of requests and the digest of
+every model that each version had remain provable (see :meth:`FLCache.gc`). ``verify`` checks
+every blob of the current version (``--all``: of every version) against its digest.
+
+Like ``unlearn``, both take the run directory's lock (a second process stops with a one-line
+error) and the cache's writer lock; errors are one line, exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from fedshard_lightning.cache import FLCache, _flock
+from fedshard_lightning.errors import CacheError, ConfigError
+
+__all__ = ["cache_main"]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(f"cache: {message}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="python -m fedshard_lightning cache", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    gc = sub.add_parser("gc", help="drop the models of old versions; keep every manifest")
+    gc.add_argument("--ckpt_path", required=True, help="run directory created by fit")
+    gc.add_argument("--keep", required=True, type=int, help="newest versions whose models stay (>= 1)")
+    verify = sub.add_parser("verify", help="check every blob against its SHA-256")
+    verify.add_argument("--ckpt_path", required=True, help="run directory created by fit")
+    verify.add_argument("--all", action="store_true", help="every version, not only the current one")
+    return ap
+
+
+def _cache_of(ckpt_path: str) -> tuple[Path, FLCache]:
+    run = Path(ckpt_path)
+    if not run.is_dir() or not (run / "cache").is_dir():
+        raise CacheError(
+            f"ckpt_path={ckpt_path!r} is not a fedshard_lightning run directory (no cache/ inside)"
+        )
+    cache = FLCache(run / "cache")
+    if not cache.exists():
+        raise CacheError(f"{run} has no committed FLCache (cache/CURRENT); nothing to do")
+    return run, cache
+
+
+def cache_main(argv: list[str]) -> None:
+    """Run ``cache gc`` or ``cache verify``; raises :class:`FedShardError` subclasses for user errors."""
+    args = _parser().parse_args(argv)
+    run, cache = _cache_of(args.ckpt_path)
+    rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) or 0)
+    if rank != 0:
+        return
+    busy = (
+        f"ckpt_path={run}: another process is unlearning from this run or collecting its cache now; "
+        "wait for it to finish, then run this again"
+    )
+    with _flock(run, blocking=False, busy=busy):
+        if args.command == "gc":
+            if args.keep < 1:
+                raise ConfigError(f"--keep={args.keep}: keep at least the newest version (an integer >= 1)")
+            out = cache.gc(args.keep)
+            print(
+                f"cache gc: kept the models of {len(out['kept'])} versions ({out['kept'][0]} .. {out['kept'][-1]}), "
+                f"{len(out['pruned'])} versions pruned (manifests kept); removed {out['removed_blobs']} blobs "
+                f"({out['removed_bytes'] / 1e6:.1f} MB), {out['kept_blobs']} blobs ({out['kept_bytes'] / 1e6:.1f} MB) "
+                f"remain in {cache.root}"
+            )
+        else:
+            versions = cache.versions() if args.all else [cache.current()]
+            for version in versions:
+                cache.verify(version)
+            pruned = len(set(versions) & cache.pruned())
+            note = f" ({pruned} pruned by gc: their indexes only)" if pruned else ""
+            print(f"cache verify: {len(versions)} versions intact{note} in {cache.root}")
