@@ -42,15 +42,13 @@ from fedshard_lightning.sharding import (
     RandomMerge,
     RoundPolicy,
     ShardTree,
-    StageCosts,
-    expected_future_costs,
     flatten_update,
     num_stages,
     signed_angles,
-    tree_client_costs,
 )
 from fedshard_lightning.unlearning.base import Algorithm, UnlearnResult
 from fedshard_lightning.unlearning.context import AlgorithmContext
+from fedshard_lightning.unlearning.shard_costs import ShardCosts
 from fedshard_lightning.unlearning.shard_state import ShardCache, ShardRecord
 
 __all__ = ["FedShard", "ShardRecord"]
@@ -68,7 +66,7 @@ def _merge_policy(merge: str | MergePolicy) -> MergePolicy:
     raise ConfigError(f"algorithm.merge={merge!r}: choose a1, a1_count, random or a MergePolicy class_path")
 
 
-class FedShard(ShardCache, Algorithm):
+class FedShard(ShardCosts, ShardCache, Algorithm):
     """Sharded FedAvg with exact unlearning.
 
     Args:
@@ -294,32 +292,6 @@ class FedShard(ShardCache, Algorithm):
             events.stage_end(stage, stage_metrics)
         return self.current_params()
 
-    def _stage_costs(self, stage: int) -> StageCosts:
-        """A1's cost model for ``stage``: costs paid in the trained stages, expected rounds and later costs."""
-        planned = self.planned_stages
-        if stage == 1:
-            children = [[c] for c in range(self.num_clients)]
-        else:
-            children = [list(r.clients) for r in self.records[-1]]
-        paid = tree_client_costs(
-            [[(r.clients, r.rounds) for r in recs] for recs in self.records], self._steps
-        )
-        later_shards, later_rounds, n = [], [], -(-len(children) // self.merge_rate)
-        for p in range(stage + 1, planned + 1):
-            n = -(-n // self.merge_rate)
-            later_shards.append(n)
-            later_rounds.append(self.round_policy.expected_rounds(p, last=p == planned))
-        return StageCosts(
-            shard_clients=children,
-            client_steps=self._steps,
-            paid=paid,
-            rounds=self.round_policy.expected_rounds(stage, last=stage == planned),
-            future=expected_future_costs(self._steps, later_shards, later_rounds),
-            rounds_fn=None
-            if self.round_policy.calibrating(stage)
-            else lambda children_alphas: self.round_policy.rounds(stage, children_alphas),
-        )
-
     def _stage_average(self, stage: int) -> dict[str, Tensor]:
         """theta^p for the stage's test accuracy: the live shards weighted by their training samples.
 
@@ -338,66 +310,6 @@ class FedShard(ShardCache, Algorithm):
         return {k: v[0].clone() for k, v in self.models[-1].items()}
 
     # -- costs ------------------------------------------------------------------------------------
-    def _shard_cost(self, stage: int, index: int, remaining: Sequence[int], rounds: int) -> int:
-        if not remaining:
-            return 0
-        if self.engine.samples_everyone:
-            # Every client takes part in every round (SPEC section 3): no per-round sample to draw.
-            return rounds * sum(self._steps[c] for c in remaining)
-        group = Group(index, tuple(remaining), rounds)
-        return sum(
-            self.engine.client_steps_of(self.engine.participants(stage, group, r)) for r in range(rounds)
-        )
-
-    def _plan(self, clients: Sequence[int]) -> dict[int, list[int]]:
-        """Affected shard indices per stage for new leaving clients."""
-        leaving = set(clients)
-        return {
-            p: [i for i, r in enumerate(recs) if leaving & set(r.remaining)]
-            for p, recs in enumerate(self.records, start=1)
-        }
-
-    def predict_cost(self, clients: Sequence[int]) -> int:
-        """Client-steps of retraining the affected shards, from the tree alone."""
-        gone = set(self.unlearned) | set(clients)
-        total = 0
-        for p, idx in self._plan(clients).items():
-            for i in idx:
-                rec = self.records[p - 1][i]
-                total += self._shard_cost(p, i, [c for c in rec.clients if c not in gone], rec.rounds)
-        return total
-
-    def retrain_cost(self, clients: Sequence[int]) -> int:
-        """Client-steps of recomputing every shard of the frozen tree without the unlearned clients."""
-        gone = set(self.unlearned) | set(clients)
-        return sum(
-            self._shard_cost(p, i, [c for c in rec.clients if c not in gone], rec.rounds)
-            for p, recs in enumerate(self.records, start=1)
-            for i, rec in enumerate(recs)
-        )
-
-    def ratio_counting_leaving(self, clients: Sequence[int]) -> float:
-        """The paper's r1 measured: the leaving clients' own steps counted on both sides.
-
-        Proposition 1 divides the training of the whole tree (``T_train = P T K``, every client
-        counted) by the retraining of the affected shards *with* their full client counts
-        (``T_un = sum_p T R^p``). :meth:`retrain_cost` / :meth:`predict_cost` (the trainer's
-        ``speedup_client_steps``) leave the leaving clients out of both sides instead. With fixed
-        rounds, equal client sizes and ``K = R**P`` this equals ``theoretical_speedup()`` exactly.
-        """
-        before = set(self.unlearned)
-        leaving = set(clients)
-        total = affected = 0
-        for p, recs in enumerate(self.records, start=1):
-            for i, rec in enumerate(recs):
-                present = [c for c in rec.clients if c not in before]
-                cost = self._shard_cost(p, i, present, rec.rounds)
-                total += cost
-                if leaving & set(present):
-                    affected += cost
-        return total / affected if affected else float("inf")
-
-    # -- unlearning -------------------------------------------------------------------------------
     def _replay(self, gone: set[int], only: dict[int, list[int]] | None) -> tuple[list, list, int, list]:
         """Recompute shards bottom-up without ``gone``: the listed ones (``only``) or all of them."""
         records = [[ShardRecord(**{**r.to_dict()}) for r in recs] for recs in self.records]
@@ -458,48 +370,3 @@ class FedShard(ShardCache, Algorithm):
                 "speedup_client_steps_counting_leaving": ratio_with_leaving,
             },
         )
-
-    def theoretical_speedup(self) -> float:
-        """The paper's Proposition 1 approximation r1 = (R-1)/R * K/(K-1) * P."""
-        k, r = self.num_clients, self.merge_rate
-        return (r - 1) / r * k / (k - 1) * self.planned_stages
-
-    def audit(self, tolerance: float) -> dict[str, Any]:
-        """Replay the whole frozen tree without every unlearned client; compare with the cache."""
-        records, models, steps, _ = self._replay(set(self.unlearned), None)
-        lines, worst = [], 0.0
-        per_shard = []
-        for p, (mine, ref, recs) in enumerate(zip(self.models, models, records), start=1):
-            stage_worst = 0.0
-            for i, rec in enumerate(recs):
-                if rec.empty:
-                    continue
-                d = max(float((mine[k][i] - ref[k][i]).abs().max()) for k in mine)
-                per_shard.append({"stage": p, "shard": i, "max_abs_diff": d})
-                stage_worst = max(stage_worst, d)
-                if len(recs) <= 64:
-                    lines.append(f"stage {p} shard {i}: max|diff| = {d:.3e}")
-            lines.append(
-                f"stage {p}: max|diff| over {sum(not r.empty for r in recs)} shards = {stage_worst:.3e}"
-            )
-            worst = max(worst, stage_worst)
-        final = max(float((self.models[-1][k][0] - models[-1][k][0]).abs().max()) for k in self.models[-1])
-        passed = worst <= tolerance
-        verdict = "PASSED, bit-exact" if worst == 0.0 else ("PASSED" if passed else "FAILED")
-        lines.append(
-            f"audit {verdict}: final model max|diff| = {final:.3e}, worst shard "
-            f"{worst:.3e}, tolerance {tolerance:.1e}; unlearned clients {self.unlearned}; replay cost {steps} client-steps"
-        )
-        if not passed:  # the first shard off is where the difference starts; later stages inherit it
-            first = next(d for d in per_shard if d["max_abs_diff"] > tolerance)
-            lines.append(
-                f"first difference: stage {first['stage']} shard {first['shard']} "
-                f"(max|diff| = {first['max_abs_diff']:.3e})"
-            )
-        return {
-            "passed": passed,
-            "max_abs_diff": worst,
-            "final_max_abs_diff": final,
-            "shards": per_shard,
-            "lines": lines,
-        }
