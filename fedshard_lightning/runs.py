@@ -59,8 +59,11 @@ def describe_run(run: Path) -> dict[str, Any]:
         state = "complete"
     else:
         state = "interrupted"
-        if isinstance(manifest.get("stages"), list) and manifest.get("planned_stages"):
-            state += f" (stage {len(manifest['stages'])}/{manifest['planned_stages']} committed)"
+        done = manifest.get("stages_done")  # FLCache format 2; format 1 listed the stages
+        if done is None and isinstance(manifest.get("stages"), list):
+            done = len(manifest["stages"])
+        if isinstance(done, int) and manifest.get("planned_stages"):
+            state += f" (stage {done}/{manifest['planned_stages']} committed)"
     return {
         "run": str(run),
         "method": manifest.get("algorithm") or metrics.get("algorithm") or "-",
