@@ -5,31 +5,18 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
+from _tiny import tiny_data, tiny_model, tiny_trainer
 
-from fedshard_lightning.data import SyntheticDataModule
 from fedshard_lightning.errors import CacheError, ConfigError
 from fedshard_lightning.models import MLP
-from fedshard_lightning.trainer import FederatedTrainer
-from fedshard_lightning.unlearning import FedShard
 
 
 def _fresh():
-    dm = SyntheticDataModule(
-        num_clients=8, partition="iid", num_samples=96, num_test=24, shape=(6,), num_classes_=3
-    )
-    torch.manual_seed(0)
-    return MLP(hidden=(8,), lr=0.1), dm
+    return tiny_model(MLP), tiny_data((6,), per_client=12, classes=3, partition="iid")
 
 
 def _trainer(root, **kw):
-    return FederatedTrainer(
-        algorithm=FedShard(rounds="fixed", fixed_rounds=1, batch_size=5),
-        default_root_dir=str(root),
-        enable_progress_bar=False,
-        eval_every_n_rounds=0,
-        **kw,
-    )
+    return tiny_trainer(root, rounds=1, **kw)
 
 
 @pytest.mark.parametrize("name", ["../../escape", "a/b", "..", "/tmp/abs"])

@@ -3,38 +3,17 @@
 from __future__ import annotations
 
 import pytest
-import torch
+from _tiny import tiny_data, tiny_model, tiny_trainer
 
-from fedshard_lightning.data import SyntheticDataModule
 from fedshard_lightning.models import MLP, FedAvgCNN, ResNetGN
-from fedshard_lightning.trainer import FederatedTrainer
-from fedshard_lightning.unlearning import FedShard
 
 
 def _fresh(cls, shape):
-    dm = SyntheticDataModule(
-        num_clients=8,
-        partition="dirichlet",
-        rho=0.5,
-        min_client_size=5,
-        num_samples=160,
-        num_test=40,
-        shape=shape,
-        num_classes_=4,
-        as_uint8=len(shape) == 3,
-    )
-    torch.manual_seed(0)
-    return (MLP(hidden=(16,), lr=0.1, momentum=0.5) if cls is MLP else cls(lr=0.05)), dm
+    return tiny_model(cls), tiny_data(shape)
 
 
 def _trainer(root, vectorize):
-    return FederatedTrainer(
-        algorithm=FedShard(rounds="fixed", fixed_rounds=2, batch_size=5),
-        default_root_dir=str(root),
-        enable_progress_bar=False,
-        eval_every_n_rounds=0,
-        vectorize=vectorize,
-    )
+    return tiny_trainer(root, vectorize=vectorize)
 
 
 @pytest.mark.parametrize("vectorize", ["always", "never"])
