@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _tiny import tiny_data, tiny_model
 
-from fedshard_lightning.data import SyntheticDataModule
 from fedshard_lightning.engine import FederatedEngine, Group, LocalSchedule, stack_params
 from fedshard_lightning.engine.local import ClientBatch
 from fedshard_lightning.models import MLP, FedAvgCNN, ResNetGN
@@ -14,20 +14,9 @@ CASES = [(MLP, (10,)), (FedAvgCNN, (1, 28, 28)), (ResNetGN, (3, 16, 16))]
 
 
 def _setup(cls, shape):
-    dm = SyntheticDataModule(
-        num_clients=8,
-        partition="dirichlet",
-        rho=0.5,
-        min_client_size=5,
-        num_samples=160,
-        num_test=40,
-        shape=shape,
-        num_classes_=4,
-        as_uint8=len(shape) == 3,
-    )
+    dm = tiny_data(shape)
     dm.setup()
-    torch.manual_seed(0)
-    m = MLP(hidden=(16,), lr=0.1, momentum=0.5) if cls is MLP else cls(lr=0.05)
+    m = tiny_model(cls)
     m.bind_data(dm.input_shape, dm.num_classes)
     eng = FederatedEngine(m, dm, LocalSchedule(batch_size=5), seed=1, vectorize="always")
     return dm, eng
