@@ -12,7 +12,6 @@ it never sees the trainer.
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -32,6 +31,7 @@ from fedshard_lightning.fingerprint import fingerprint
 from fedshard_lightning.loggers import run_loggers, wandb_state
 from fedshard_lightning.loop import TrainerEvents, launch_fabric, load_run, run_fit
 from fedshard_lightning.module import bind_model, param_dtype
+from fedshard_lightning.numerics import oversubscription_warning
 from fedshard_lightning.requests import apply_request
 from fedshard_lightning.run_dir import (
     existing_run_dir,
@@ -49,26 +49,6 @@ def resume_hint(run_dir: Path, cli: bool) -> str:
     if cli:
         return f"resume with: python -m fedshard_lightning fit --ckpt_path {run_dir}"
     return f"resume with: FederatedTrainer(...same settings...).fit(model, datamodule, ckpt_path={str(run_dir)!r})"
-
-
-def oversubscription_warning(threads: int, load: float | None = None, cores: int | None = None) -> str | None:
-    """One line when this run's threads plus the machine's load exceed its cores, else None.
-
-    OpenMP threads that wait for busy cores spin: two threads under contention ran a CIFAR round
-    6x slower than one thread (141 s against 22.7 s), so the user should hear about it.
-    """
-    cores = cores or os.cpu_count() or 1
-    if load is None:
-        try:
-            load = os.getloadavg()[0]
-        except (AttributeError, OSError):
-            return None
-    if threads <= 1 or load + threads <= cores + 0.5:
-        return None
-    return (
-        f"warning: {threads} CPU threads on {cores} cores already loaded {load:.1f}: oversubscribed, "
-        "which can be several times slower; try --trainer.num_threads 1"
-    )
 
 
 def _as_list(value: Any) -> list[Any]:

@@ -107,6 +107,11 @@ class GroupSums:
             rank[g] = r + 1
             order.append((r, k))
         ranks = max(r for r, _ in order) + 1
+        scatter = []  # per rank: the groups it adds to and, unless it is every block, which blocks
+        for r in range(ranks):
+            ks = [k for rr, k in order if rr == r]
+            g_t = torch.as_tensor([keys[k][0] for k in ks], device=dev)
+            scatter.append((g_t, None if len(ks) == len(keys) else torch.as_tensor(ks, device=dev)))
         for name, x in rows.items():
             sums = x.new_empty((len(keys), x.shape[1]))
             for n, blocks, pick in plans:
@@ -117,11 +122,8 @@ class GroupSums:
                 else:
                     sums.index_copy_(0, torch.as_tensor(blocks, device=dev), part)
             acc = self.acc[name].view(len(self.count), -1)
-            for r in range(ranks):
-                ks = [k for rr, k in order if rr == r]
-                g_t = torch.as_tensor([keys[k][0] for k in ks], device=dev)
-                src = sums if len(ks) == len(keys) else sums.index_select(0, torch.as_tensor(ks, device=dev))
-                acc.index_add_(0, g_t, src)
+            for g_t, pick_k in scatter:
+                acc.index_add_(0, g_t, sums if pick_k is None else sums.index_select(0, pick_k))
 
     def totals(self) -> dict[str, Tensor]:
         """The per-group sums [G, ...] by name (every row must have been added)."""

@@ -1,0 +1,65 @@
+"""What the engine trains and returns: groups of clients, per-round records, results, stacked models."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+__all__ = ["Group", "RoundInfo", "TrainResult", "stack_params", "unstack_params"]
+
+
+@dataclass(frozen=True)
+class Group:
+    """A set of clients trained together by FedAvg (a shard, or all clients for plain FedAvg).
+
+    Args:
+        key: Stable identifier used in the keyed randomness (the shard's index in its stage).
+        clients: Client ids.
+        rounds: FedAvg rounds for this group.
+    """
+
+    key: int
+    clients: tuple[int, ...]
+    rounds: int
+
+
+@dataclass
+class RoundInfo:
+    """What happened in one round, passed to ``on_round_end``."""
+
+    stage: int
+    round: int
+    active: list[int]
+    participants: list[list[int]]
+    mean_loss: list[float]
+    client_steps: int
+    seconds: float
+    start_params: dict[str, Tensor] | None = None
+    client_params: dict[str, Tensor] | None = None
+    client_ids: list[int] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class TrainResult:
+    """Final group models [G, ...], cost counters and the per-round record."""
+
+    params: dict[str, Tensor]
+    client_steps: int
+    group_client_steps: list[int]
+    rounds_run: list[int]
+    seconds: float
+    history: list[RoundInfo]
+
+
+def stack_params(models: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
+    """Stack a list of state dicts along a new leading dimension."""
+    return {k: torch.stack([m[k] for m in models]) for k in models[0]}
+
+
+def unstack_params(params: dict[str, Tensor], i: int) -> dict[str, Tensor]:
+    """Row ``i`` of stacked parameters, as a state dict."""
+    return {k: v[i] for k, v in params.items()}
