@@ -27,7 +27,8 @@ from torch.func import functional_call, vmap
 from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.engine.chain import StackedChain
 from fedshard_lightning.engine.client_loop import ClientBatch, LocalResult, run_client_loop
-from fedshard_lightning.engine.optim import OptimizerSpec, RoundLR, round_lr, shrink_optimizer
+from fedshard_lightning.engine.mixed_sizes import mixed_sizes_fixed, mixed_sizes_split
+from fedshard_lightning.engine.optim import OptimizerSpec, RoundLR, fused_sgd_lr, round_lr, shrink_optimizer
 from fedshard_lightning.engine.schedule import LocalSchedule
 from fedshard_lightning.engine.stacked import (
     ConvMode,
@@ -175,23 +176,6 @@ class LocalTrainer:
         """The client optimizer of round ``round_`` (the scheduler's learning rates, if any)."""
         return self.spec if self.lr_at is None else self.spec.with_lrs(self.lr_at(round_))
 
-    def _fused_sgd_lr(self, spec: OptimizerSpec) -> dict[str, float] | None:
-        """Learning rate by parameter when the client optimizer is plain SGD (fused into backward)."""
-        if spec.cls is not torch.optim.SGD:
-            return None
-        lr = {}
-        for names, hp in spec.groups:
-            plain = (
-                hp.get("momentum", 0) == 0
-                and hp.get("weight_decay", 0) == 0
-                and not hp.get("maximize", False)
-                and not isinstance(hp.get("lr"), Tensor)
-            )
-            if not plain:
-                return None
-            lr.update(dict.fromkeys(names, float(hp["lr"])))
-        return lr
-
     def _check_sample(self) -> tuple[Tensor, Tensor]:
         """A few samples of up to three non-empty clients, [C, B, ...], for the program check."""
         own = [ix for ix in self.dm.client_indices if len(ix) > 0][:3]
@@ -284,7 +268,7 @@ class LocalTrainer:
         self.program()
         chain = self._chain
         spec = self.spec_at(batch.round)
-        fused = self._fused_sgd_lr(spec) if chain is not None else None
+        fused = fused_sgd_lr(spec) if chain is not None else None
         opt = spec.build(leaves, _PREFIX)
         loss_sum = torch.zeros(m_all, dtype=self.dtype, device=device)
         logs: dict[str, Tensor] = {}
@@ -337,44 +321,22 @@ class LocalTrainer:
                     grads, losses, _ = self._grad(leaves, buffers, x, y, mask)
                     loss_sum[:m] += losses
                 elif fixed:  # every distinct batch size for all rows, kept where it is the row's own
-                    grads = {k: torch.zeros_like(v) for k, v in leaves.items()}
-                    before = {k: v.clone() for k, v in cbuf.items()}
-                    after = {k: v.clone() for k, v in cbuf.items()}
-                    for size in np.unique(sizes[sizes > 0]):
-                        x, y = self.dm.gather(gidx_t[s, :m, :size], self.dtype)
-                        for k, v in cbuf.items():
-                            v.copy_(before[k])
-                        g_all, l_all, logged = self._grad(
-                            leaves, buffers, x, y, keys=keys_all[s, :m], client_buffers=cbuf
-                        )
-                        own = size_t[s, :m] == int(size)
-                        for k, v in cbuf.items():
-                            after[k] = torch.where(own.view(-1, *[1] * (v.ndim - 1)), v, after[k])
-                        for k in grads:
-                            grads[k] = torch.where(
-                                own.view(-1, *[1] * (grads[k].ndim - 1)), g_all[k], grads[k]
-                            )
-                        loss_sum[:m] += torch.where(own, l_all, torch.zeros_like(l_all))
-                        kept = {k: torch.where(own, v, torch.zeros_like(v)) for k, v in logged.items()}
-                        self._add_logs(logs, kept, m_all, slice(0, m))
-                    for k, v in cbuf.items():
-                        v.copy_(after[k])
+                    grads = mixed_sizes_fixed(
+                        self,
+                        leaves,
+                        buffers,
+                        cbuf,
+                        gidx_t[s, :m],
+                        sizes,
+                        size_t[s, :m],
+                        keys_all[s, :m],
+                        loss_sum,
+                        logs,
+                    )
                 else:
-                    grads = {k: torch.zeros_like(v) for k, v in leaves.items()}
-                    for size in np.unique(sizes):
-                        sel = torch.as_tensor(np.flatnonzero(sizes == size), device=device)
-                        x, y = self.dm.gather(gidx_t[s, sel, :size], self.dtype)
-                        sub = {k: v.index_select(0, sel) for k, v in leaves.items()}
-                        sub_buf = {k: v.index_select(0, sel) for k, v in cbuf.items()}
-                        g_sub, l_sub, logged = self._grad(
-                            sub, buffers, x, y, keys=keys_all[s].index_select(0, sel), client_buffers=sub_buf
-                        )
-                        for k, v in cbuf.items():
-                            v.index_copy_(0, sel, sub_buf[k])
-                        for k in grads:
-                            grads[k].index_copy_(0, sel, g_sub[k])
-                        loss_sum.index_add_(0, sel, l_sub)
-                        self._add_logs(logs, logged, m_all, sel)
+                    grads = mixed_sizes_split(
+                        self, leaves, buffers, cbuf, gidx_t[s], sizes, keys_all[s], loss_sum, logs
+                    )
                 for k, v in leaves.items():
                     v.grad = grads[k]
                 opt.step()

@@ -22,6 +22,7 @@ __all__ = [
     "ELEMENTWISE_OPTIMIZERS",
     "OptimizerSpec",
     "RoundLR",
+    "fused_sgd_lr",
     "normalize_optimizer",
     "optimizer_spec",
     "round_lr",
@@ -174,6 +175,27 @@ def optimizer_spec(module: nn.Module, names: Sequence[str]) -> OptimizerSpec:
             "optimize all trainable parameters or set requires_grad=False on frozen ones"
         )
     return OptimizerSpec(type(opt), tuple(groups))
+
+
+def fused_sgd_lr(spec: OptimizerSpec) -> dict[str, float] | None:
+    """Learning rate by parameter when the client optimizer is plain SGD, which the chain fuses into backward.
+
+    None for anything else (momentum, weight decay, maximize, a tensor learning rate, another class).
+    """
+    if spec.cls is not torch.optim.SGD:
+        return None
+    lr = {}
+    for names, hp in spec.groups:
+        plain = (
+            hp.get("momentum", 0) == 0
+            and hp.get("weight_decay", 0) == 0
+            and not hp.get("maximize", False)
+            and not isinstance(hp.get("lr"), Tensor)
+        )
+        if not plain:
+            return None
+        lr.update(dict.fromkeys(names, float(hp["lr"])))
+    return lr
 
 
 def shrink_optimizer(
