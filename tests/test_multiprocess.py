@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import csv
 import json
+import math
 import os
 import subprocess
 import sys
@@ -58,6 +60,13 @@ def test_ddp_two_processes_equals_single_process(tmp_path: Path):
         )
         assert u.returncode == 0, u.stderr[-2000:]
         out[name] = run
+    rounds = {name: _round_rows(run) for name, run in out.items()}
+    assert len(rounds["single"]) == len(rounds["ddp"]) > 0, "one row per round of the whole stage"
+    for one, two in zip(rounds["single"], rounds["ddp"]):  # all ranks' groups, not rank zero's
+        for key in ("stage", "round", "participants", "client_steps", "global_round"):
+            assert one[key] == two[key], (key, one, two)
+        for key in ("train_loss", "test_accuracy", "test_loss"):
+            assert math.isclose(float(one[key]), float(two[key]), rel_tol=1e-5, abs_tol=1e-6), (key, one, two)
     a = load_file(str(out["single"] / "model.safetensors"))
     b = load_file(str(out["ddp"] / "model.safetensors"))
     assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6  # float32; observed 0.0
@@ -66,3 +75,8 @@ def test_ddp_two_processes_equals_single_process(tmp_path: Path):
     assert ra["client_steps"] == rb["client_steps"] == rb["predicted_client_steps"]
     versions = sorted(p.name for p in (out["ddp"] / "cache").iterdir() if p.is_dir())
     assert len(versions) == len(set(versions)) and all(not v.startswith(".") for v in versions)
+
+
+def _round_rows(run: Path) -> list[dict[str, str]]:
+    with open(run / "logs" / "metrics.csv", newline="") as f:
+        return [row for row in csv.DictReader(f) if row.get("round")]

@@ -36,6 +36,7 @@ from fedshard_lightning.engine import FederatedEngine, Group, LocalSchedule, Rou
 from fedshard_lightning.errors import CacheError, ConfigError
 from fedshard_lightning.init_args import RecordsInitArgs
 from fedshard_lightning.unlearning.context import AlgorithmContext, LoopEvents
+from fedshard_lightning.unlearning.rank_rounds import RoundRecorder
 
 __all__ = ["Algorithm", "UnlearnResult"]
 
@@ -206,18 +207,20 @@ class Algorithm(RecordsInitArgs):
         """Multi-process: rank r trains groups r, r+W, ...; the results are gathered in order.
 
         Groups are independent (keyed randomness), so the gathered models equal a single-process
-        run. Per-round events on rank zero see rank zero's groups only.
+        run. Each rank records its rounds; after the stage every rank reports the merged rounds
+        (all groups' losses, participants and client-steps; the sample-weighted average model
+        summed across ranks), so per-round metrics describe the whole stage, not rank zero's part.
         """
         world, rank, gather = self.ctx.world_size, self.ctx.global_rank, self.ctx.all_gather
         mine = list(range(rank, len(groups), world))
         sub_groups = [groups[i] for i in mine]
         idx = torch.as_tensor(mine, dtype=torch.long, device=next(iter(init.values())).device)
         sub_init = {k: v.index_select(0, idx) for k, v in init.items()}
-        events = self.events
+        rounds = RoundRecorder(groups, mine, self.ctx.client_sizes, init) if report else None
 
         def hook(info: RoundInfo, state: dict[str, Tensor]) -> Sequence[bool] | None:
-            if report:
-                events.round_end(info, state, sub_groups)
+            if rounds is not None:
+                rounds.record(info, state)
             if on_round_end is None:
                 return None
             local = RoundInfo(**{**vars(info), "active": [mine[a] for a in info.active]})
@@ -237,8 +240,11 @@ class Algorithm(RecordsInitArgs):
         counters[: len(mine), 1] = torch.as_tensor(res.rounds_run, dtype=torch.long)
         allc = gather(counters.to(self.ctx.device)).cpu()
         steps = [int(allc[g % world, g // world, 0]) for g in range(len(groups))]
-        rounds = [int(allc[g % world, g // world, 1]) for g in range(len(groups))]
-        return TrainResult(params, sum(steps), steps, rounds, res.seconds, res.history)
+        rounds_run = [int(allc[g % world, g // world, 1]) for g in range(len(groups))]
+        if rounds is not None:
+            for info, avg, everyone in rounds.merged(gather):
+                self.events.round_end(info, avg, everyone)
+        return TrainResult(params, sum(steps), steps, rounds_run, res.seconds, res.history)
 
     # -- cache (files only; the trainer commits) ----------------------------------------------------
     def cache_files(self, cache: Any) -> tuple[dict[str, Any], dict[str, dict[str, Tensor]], dict[str, str]]:
