@@ -36,7 +36,15 @@ from fedshard_lightning.cache import (
 )
 from fedshard_lightning.errors import CacheError, ConfigError, FedShardError
 
-__all__ = ["Journal", "existing_run_dir", "model_is_stale", "new_run_dir", "recover_reports", "run_lock"]
+__all__ = [
+    "Journal",
+    "existing_run_dir",
+    "model_is_stale",
+    "new_run_dir",
+    "recover_reports",
+    "resume_hint",
+    "run_lock",
+]
 
 
 def new_run_dir(root_dir: str, run_name: str | None) -> Path:
@@ -225,3 +233,10 @@ def recover_reports(run_dir: Path, cache: FLCache, requests: list[dict[str, Any]
     if requests and not last.is_file():
         rpath = run_dir / "unlearning" / f"{len(requests):04d}" / "report.json"
         atomic_write_bytes(last, rpath.read_bytes())
+
+
+def resume_hint(run_dir: Path, cli: bool) -> str:
+    """The exact command that resumes an interrupted fit (the run's config.yaml is read by the CLI)."""
+    if cli:
+        return f"resume with: python -m fedshard_lightning fit --ckpt_path {run_dir}"
+    return f"resume with: FederatedTrainer(...same settings...).fit(model, datamodule, ckpt_path={str(run_dir)!r})"

@@ -22,37 +22,24 @@ import torch
 from lightning.fabric.loggers import Logger
 from torch import Tensor
 
-from fedshard_lightning.cache import FLCache, atomic_save_tensors, load_tensors
+from fedshard_lightning.cache import FLCache, atomic_save_tensors
 from fedshard_lightning.callbacks import FederatedCallback, default_callbacks
+from fedshard_lightning.commands import run_audit, run_test
 from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.engine import evaluate
-from fedshard_lightning.errors import CacheError, ConfigError, FedShardError
+from fedshard_lightning.errors import FedShardError
 from fedshard_lightning.fingerprint import fingerprint
 from fedshard_lightning.loggers import run_loggers, wandb_state
 from fedshard_lightning.loop import TrainerEvents, launch_fabric, load_run, run_fit
 from fedshard_lightning.module import bind_model, param_dtype
 from fedshard_lightning.numerics import oversubscription_warning
 from fedshard_lightning.requests import apply_request
-from fedshard_lightning.run_dir import (
-    existing_run_dir,
-    new_run_dir,
-    run_lock,
-)
+from fedshard_lightning.run_dir import existing_run_dir, new_run_dir, resume_hint, run_lock
 from fedshard_lightning.store import RunStore
+from fedshard_lightning.trainer_options import as_list, check_inputs, check_options, check_tolerance
 from fedshard_lightning.unlearning.base import Algorithm
 
 __all__ = ["FederatedTrainer"]
-
-
-def resume_hint(run_dir: Path, cli: bool) -> str:
-    """The exact command that resumes an interrupted fit (the run's config.yaml is read by the CLI)."""
-    if cli:
-        return f"resume with: python -m fedshard_lightning fit --ckpt_path {run_dir}"
-    return f"resume with: FederatedTrainer(...same settings...).fit(model, datamodule, ckpt_path={str(run_dir)!r})"
-
-
-def _as_list(value: Any) -> list[Any]:
-    return [] if value is None else (list(value) if isinstance(value, (list, tuple)) else [value])
 
 
 class FederatedTrainer:
@@ -116,28 +103,15 @@ class FederatedTrainer:
         batch_invariant: bool = True,
         compile: bool = False,
     ) -> None:
-        if algorithm is None:
-            from fedshard_lightning.unlearning import default_algorithm
-
-            algorithm = default_algorithm()
-        if not isinstance(algorithm, Algorithm):
-            raise ConfigError(f"trainer.algorithm: expected an Algorithm, got {type(algorithm).__name__}")
-        if vectorize not in ("auto", "always", "never"):
-            raise ConfigError(f"trainer.vectorize={vectorize!r}: choose auto, always or never")
-        if "mixed" in str(precision):
-            raise ConfigError(
-                f"trainer.precision={precision!r}: mixed precision is not supported (the engine trains "
-                "in the parameters' own dtype, so autocast would change nothing); use 32-true or 64-true "
-                "(float64)"
-            )
-        if eval_every_n_rounds < 0:
-            raise ConfigError(f"trainer.eval_every_n_rounds={eval_every_n_rounds}: must be >= 0")
-        if isinstance(memory_budget_mb, bool) or not 0 < memory_budget_mb < float("inf"):
-            raise ConfigError(
-                f"trainer.memory_budget_mb={memory_budget_mb!r}: must be a positive number of MB"
-            )
-        if max_chunk_clients is not None and (isinstance(max_chunk_clients, bool) or max_chunk_clients < 1):
-            raise ConfigError(f"trainer.max_chunk_clients={max_chunk_clients!r}: must be >= 1 or null")
+        algorithm = check_options(
+            algorithm,
+            vectorize,
+            precision,
+            eval_every_n_rounds,
+            memory_budget_mb,
+            max_chunk_clients,
+            num_threads,
+        )
         self.algorithm = algorithm
         self.accelerator, self.devices, self.strategy, self.precision = (
             accelerator,
@@ -145,23 +119,16 @@ class FederatedTrainer:
             strategy,
             precision,
         )
-        self.user_callbacks = _as_list(callbacks)
-        self.user_loggers = _as_list(loggers)
+        self.user_callbacks = as_list(callbacks)
+        self.user_loggers = as_list(loggers)
         self.wandb, self.wandb_project, self.wandb_mode = wandb, wandb_project, wandb_mode
         self.wandb_group = wandb_group
         self.csv_history: list[dict[str, str]] = []
         self.log_step_start = 0
         self.default_root_dir, self.run_name = default_root_dir, run_name
-        self.vectorize, self.max_chunk_clients, self.memory_budget_mb = (
-            vectorize,
-            max_chunk_clients,
-            memory_budget_mb,
-        )
+        self.vectorize, self.max_chunk_clients = vectorize, max_chunk_clients
+        self.memory_budget_mb = memory_budget_mb
         self.eval_every_n_rounds, self.enable_progress_bar = eval_every_n_rounds, enable_progress_bar
-        if num_threads is not None and (isinstance(num_threads, bool) or num_threads < 1):
-            raise ConfigError(
-                f"trainer.num_threads={num_threads}: must be >= 1 (or null for torch's default)"
-            )
         self.num_threads = num_threads
         self.seed = int(seed)
         self.batch_invariant, self.compile = bool(batch_invariant), bool(compile)
@@ -218,15 +185,7 @@ class FederatedTrainer:
     def _setup(
         self, model: L.LightningModule, datamodule: FederatedDataModule, run_dir: Path, command: str
     ) -> None:
-        if not isinstance(model, L.LightningModule):
-            raise ConfigError(
-                f"model: expected a lightning.LightningModule (forward, training_step, configure_optimizers), "
-                f"got {type(model).__name__}"
-            )
-        if not isinstance(datamodule, FederatedDataModule):
-            raise ConfigError(
-                f"data: expected a FederatedDataModule subclass, got {type(datamodule).__name__}"
-            )
+        check_inputs(model, datamodule)
         self._launch()
         self.run_dir, self._command = run_dir, command
         self.module, self.datamodule = model, datamodule
@@ -327,36 +286,7 @@ class FederatedTrainer:
             datamodule: The federated data.
             ckpt_path: Run directory (or a model .safetensors file).
         """
-        path = Path(ckpt_path) if ckpt_path else None
-        if path is not None and path.is_file():
-            run_dir, weights = path.parent, path
-        else:
-            run_dir = existing_run_dir(ckpt_path, "test")
-            weights = run_dir / "model.safetensors"
-        self.enable_progress_bar = False
-        if not (path is not None and path.is_file()) and (run_dir / "cache" / "CURRENT").is_file():
-            # A run's deployed model is the cache's current one: load the cache (checksums verified),
-            # repair a stale or damaged model.safetensors from it, and evaluate what the cache holds.
-            self._load_run(model, datamodule, str(run_dir), "test")
-            params = self.algorithm.current_params()
-            return self._test_metrics(params, weights)
-        self._setup(model, datamodule, run_dir, "test")
-        state = load_tensors(weights, device=self.device)
-        try:
-            self.module.load_state_dict(state, strict=True)
-        except RuntimeError as e:
-            first = str(e).splitlines()[0] if str(e) else "shape mismatch"
-            raise CacheError(
-                f"{weights} does not match the configured model ({first}); use the run's config.yaml"
-            ) from None
-        return self._test_metrics(self.algorithm.engine.module_params(), weights)
-
-    def _test_metrics(self, params: dict[str, Tensor], weights: Path) -> dict[str, Any]:
-        acc, loss = self.evaluate(params)
-        metrics = {"test_accuracy": acc, "test_loss": loss, "checkpoint": str(weights)}
-        self.fabric.call("on_test_end", self, metrics=metrics)
-        self._print(f"test: test_accuracy={acc:.4f} test_loss={loss:.4f} ({weights})")
-        return metrics
+        return run_test(self, model, datamodule, ckpt_path)
 
     def unlearn(
         self, model: L.LightningModule, datamodule: FederatedDataModule, ckpt_path: str, clients: list[int]
@@ -390,27 +320,7 @@ class FederatedTrainer:
             tolerance: Largest accepted max-abs difference; 0 (bit-exact) by default, since the
                 engine is batch-invariant (docs/unlearning.md).
         """
-        if (
-            isinstance(tolerance, bool)
-            or not isinstance(tolerance, (int, float))
-            or not 0 <= tolerance < float("inf")
-        ):
-            raise ConfigError(
-                f"tolerance={tolerance!r}: must be a finite number >= 0 (0 asks for bit-exactness)"
-            )
+        tolerance = check_tolerance(tolerance)
         self.enable_progress_bar = False
         self._load_run(model, datamodule, ckpt_path, "audit")
-        result = self.algorithm.audit(float(tolerance))
-        if not result["passed"]:
-            cause = (
-                "; ".join(self.numerics_notes)
-                if self.numerics_notes
-                else "no difference in the recorded numerical environment: was the cache or model changed, "
-                "or fit run with trainer.batch_invariant false?"
-            )
-            result["lines"].append(f"likely cause: {cause}")
-        for line in result["lines"]:
-            self._print(line)
-        if not result["passed"]:
-            raise SystemExit(1)
-        return result
+        return run_audit(self, tolerance)

@@ -1,0 +1,72 @@
+"""The bodies of ``test`` and ``audit``: what each reads, checks and prints, beside the trainer.
+
+``test`` on a run directory evaluates the cache's current model (checksums verified), repairing a
+stale or damaged ``model.safetensors`` from it; on a lone ``.safetensors`` file it evaluates that
+file, refusing one that does not fit the configured model. ``audit`` recomputes the model without
+every unlearned client and compares it with the current one; on a failure it adds the likely
+cause from the recorded numerical environment.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor
+
+from fedshard_lightning.cache import load_tensors
+from fedshard_lightning.errors import CacheError
+from fedshard_lightning.run_dir import existing_run_dir
+
+__all__ = ["run_audit", "run_test"]
+
+
+def run_test(trainer: Any, model: Any, datamodule: Any, ckpt_path: str | None) -> dict[str, Any]:
+    """``test``: see the module docstring."""
+    path = Path(ckpt_path) if ckpt_path else None
+    lone_file = path is not None and path.is_file()
+    if lone_file:
+        run_dir, weights = path.parent, path
+    else:
+        run_dir = existing_run_dir(ckpt_path, "test")
+        weights = run_dir / "model.safetensors"
+    trainer.enable_progress_bar = False
+    if not lone_file and (run_dir / "cache" / "CURRENT").is_file():
+        trainer._load_run(model, datamodule, str(run_dir), "test")
+        return _test_metrics(trainer, trainer.algorithm.current_params(), weights)
+    trainer._setup(model, datamodule, run_dir, "test")
+    state = load_tensors(weights, device=trainer.device)
+    try:
+        trainer.module.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        first = str(e).splitlines()[0] if str(e) else "shape mismatch"
+        raise CacheError(
+            f"{weights} does not match the configured model ({first}); use the run's config.yaml"
+        ) from None
+    return _test_metrics(trainer, trainer.algorithm.engine.module_params(), weights)
+
+
+def _test_metrics(trainer: Any, params: dict[str, Tensor], weights: Path) -> dict[str, Any]:
+    acc, loss = trainer.evaluate(params)
+    metrics = {"test_accuracy": acc, "test_loss": loss, "checkpoint": str(weights)}
+    trainer.fabric.call("on_test_end", trainer, metrics=metrics)
+    trainer._print(f"test: test_accuracy={acc:.4f} test_loss={loss:.4f} ({weights})")
+    return metrics
+
+
+def run_audit(trainer: Any, tolerance: float) -> dict[str, Any]:
+    """``audit`` once the run is loaded: print the verdict; a failure names the likely cause and exits 1."""
+    result = trainer.algorithm.audit(tolerance)
+    if not result["passed"]:
+        cause = (
+            "; ".join(trainer.numerics_notes)
+            if trainer.numerics_notes
+            else "no difference in the recorded numerical environment: was the cache or model changed, "
+            "or fit run with trainer.batch_invariant false?"
+        )
+        result["lines"].append(f"likely cause: {cause}")
+    for line in result["lines"]:
+        trainer._print(line)
+    if not result["passed"]:
+        raise SystemExit(1)
+    return result
