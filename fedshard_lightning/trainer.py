@@ -33,11 +33,7 @@ from fedshard_lightning.loop import TrainerEvents, launch_fabric, load_run, run_
 from fedshard_lightning.module import bind_model, param_dtype
 from fedshard_lightning.numerics import oversubscription_warning
 from fedshard_lightning.requests import apply_request
-from fedshard_lightning.run_dir import (
-    existing_run_dir,
-    new_run_dir,
-    run_lock,
-)
+from fedshard_lightning.run_dir import existing_run_dir, new_run_dir, run_lock
 from fedshard_lightning.store import RunStore
 from fedshard_lightning.unlearning.base import Algorithm
 
@@ -73,6 +69,7 @@ class FederatedTrainer:
         wandb_mode: ``offline`` (default, no account or network needed) or ``online``.
         wandb_group: W&B group of the run (default: the setting without method and seed, e.g.
             ``digits-K32-rho0.5``); give one experiment's runs the same group to compare them.
+        tensorboard: Also log to TensorBoard, into ``RUN/tensorboard`` (needs the ``[tb]`` extra).
         default_root_dir: Folder that receives one sub-folder per run.
         run_name: Name of the run folder (default ``version_N``); never overwritten.
         vectorize: ``auto`` (time both once, keep the faster), ``always`` (stacked clients) or
@@ -104,6 +101,7 @@ class FederatedTrainer:
         wandb_project: str = "fedshard-lightning",
         wandb_mode: Literal["offline", "online"] = "offline",
         wandb_group: str | None = None,
+        tensorboard: bool = False,
         default_root_dir: str = "runs",
         run_name: str | None = None,
         vectorize: Literal["auto", "always", "never"] = "auto",
@@ -148,7 +146,7 @@ class FederatedTrainer:
         self.user_callbacks = _as_list(callbacks)
         self.user_loggers = _as_list(loggers)
         self.wandb, self.wandb_project, self.wandb_mode = wandb, wandb_project, wandb_mode
-        self.wandb_group = wandb_group
+        self.wandb_group, self.tensorboard = wandb_group, bool(tensorboard)
         self.csv_history: list[dict[str, str]] = []
         self.log_step_start = 0
         self.default_root_dir, self.run_name = default_root_dir, run_name
