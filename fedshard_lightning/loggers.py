@@ -7,7 +7,8 @@ constructor argument of model, data and algorithm). A W&B run is named after its
 method and seed), and its id is stored in ``RUN/wandb.json`` so that later ``unlearn``, ``audit``
 and ``test`` commands and a resumed ``fit`` log into the same W&B run. Offline runs live in
 ``RUN/wandb_files/wandb/offline-run-*``; ``wandb sync RUN/wandb_files/wandb/offline-run-*``
-uploads them.
+uploads them. TensorBoard (``tensorboard: true``, extra ``[tb]``) writes into ``RUN/tensorboard/fit``
+(and ``RUN/tensorboard/unlearn-N`` ...), hyper-parameters included: ``tensorboard --logdir RUN``.
 
 Fabric never finalizes loggers, so :func:`finish_loggers` does (and closes the W&B run).
 """
@@ -25,9 +26,21 @@ from typing import Any
 
 from lightning.fabric.loggers import CSVLogger, Logger
 
+from fedshard_lightning.errors import ConfigError
 from fedshard_lightning.init_args import init_args
 
-__all__ = ["finish_loggers", "restore_csv_history", "run_hparams", "run_loggers", "run_name", "wandb_state"]
+__all__ = [
+    "finish_loggers",
+    "restore_csv_history",
+    "run_hparams",
+    "run_loggers",
+    "run_name",
+    "tensorboard_logger",
+    "wandb_state",
+]
+
+# The hyper-parameter table of TensorBoard shows these scalars beside the settings.
+_TB_METRICS = ("test_accuracy", "final/test_accuracy", "unlearn/test_accuracy_after", "unlearn/client_steps")
 
 
 def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
@@ -119,8 +132,39 @@ def _wandb_logger(run_dir: Path, trainer: Any, hparams: dict[str, Any]) -> Logge
     )
 
 
+def tensorboard_logger(run_dir: Path, version: str) -> Logger:
+    """A TensorBoard logger writing ``RUN/tensorboard/<version>``, whose hyper-parameters need no fake metric.
+
+    Raises:
+        ConfigError: Neither tensorboard nor tensorboardX is installed.
+    """
+    from lightning.fabric.loggers import tensorboard as tb
+
+    if not (tb._TENSORBOARD_AVAILABLE or tb._TENSORBOARDX_AVAILABLE):
+        raise ConfigError(
+            "trainer.tensorboard=true: neither tensorboard nor tensorboardX is available; "
+            "pip install 'fedshard-lightning[tb]' (or pip install tensorboard)"
+        )
+
+    class RunTensorBoardLogger(tb.TensorBoardLogger):
+        """Writes the settings with the names of the run's metrics (Fabric's would log a placeholder value)."""
+
+        def log_hyperparams(self, params: dict[str, Any], metrics: Any = None, step: Any = None) -> None:
+            from torch.utils.tensorboard.summary import hparams
+
+            flat = self._sanitize_params(tb._flatten_dict(dict(params)))
+            writer = self.experiment._get_file_writer()
+            for summary in hparams(flat, dict.fromkeys(_TB_METRICS, 0.0)):
+                writer.add_summary(summary)
+
+    # flush_secs: a killed run keeps its curves (SummaryWriter's default waits two minutes).
+    return RunTensorBoardLogger(
+        root_dir=str(run_dir), name="tensorboard", version=version, default_hp_metric=False, flush_secs=5
+    )
+
+
 def run_loggers(trainer: Any, run_dir: Path, command: str, resume: bool = False) -> list[Logger]:
-    """CSV into ``run_dir/logs``, W&B when asked, the user's; each gets the run's hyper-parameters.
+    """CSV into ``run_dir/logs``, W&B and TensorBoard when asked, the user's; each gets the run's hyper-parameters.
 
     ``fit`` writes ``logs/metrics.csv`` (a resumed fit appends to it, so the curves of the stages
     before an interruption stay); later commands write ``logs/<command>-N/metrics.csv``. The CSV
@@ -140,6 +184,8 @@ def run_loggers(trainer: Any, run_dir: Path, command: str, resume: bool = False)
     hparams = run_hparams(trainer)
     if trainer.wandb:
         loggers.append(_wandb_logger(run_dir, trainer, hparams))
+    if getattr(trainer, "tensorboard", False):
+        loggers.append(tensorboard_logger(run_dir, version or "fit"))
     loggers += trainer.user_loggers
     for logger in loggers:
         with contextlib.suppress(NotImplementedError):  # Fabric's CSVLogger: config.yaml holds them

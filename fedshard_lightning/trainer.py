@@ -60,6 +60,7 @@ class FederatedTrainer:
         wandb_mode: ``offline`` (default, no account or network needed) or ``online``.
         wandb_group: W&B group of the run (default: the setting without method and seed, e.g.
             ``digits-K32-rho0.5``); give one experiment's runs the same group to compare them.
+        tensorboard: Also log to TensorBoard, into ``RUN/tensorboard`` (needs the ``[tb]`` extra).
         default_root_dir: Folder that receives one sub-folder per run.
         run_name: Name of the run folder (default ``version_N``); never overwritten.
         vectorize: ``auto`` (time both once, keep the faster), ``always`` (stacked clients) or
@@ -91,6 +92,7 @@ class FederatedTrainer:
         wandb_project: str = "fedshard-lightning",
         wandb_mode: Literal["offline", "online"] = "offline",
         wandb_group: str | None = None,
+        tensorboard: bool = False,
         default_root_dir: str = "runs",
         run_name: str | None = None,
         vectorize: Literal["auto", "always", "never"] = "auto",
@@ -122,7 +124,7 @@ class FederatedTrainer:
         self.user_callbacks = as_list(callbacks)
         self.user_loggers = as_list(loggers)
         self.wandb, self.wandb_project, self.wandb_mode = wandb, wandb_project, wandb_mode
-        self.wandb_group = wandb_group
+        self.wandb_group, self.tensorboard = wandb_group, bool(tensorboard)
         self.csv_history: list[dict[str, str]] = []
         self.log_step_start = 0
         self.default_root_dir, self.run_name = default_root_dir, run_name

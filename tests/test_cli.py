@@ -225,13 +225,11 @@ def test_plain_text_removes_rst_roles():
     assert plain_text(":meth:`a.b`") == "a.b"
 
 
-def test_missing_optional_logger_names_the_real_cause(capsys, run_root):
-    try:
-        import tensorboard  # noqa: F401
+def test_missing_optional_logger_names_the_real_cause(capsys, run_root, monkeypatch):
+    from lightning.fabric.loggers import tensorboard as tb
 
-        pytest.skip("tensorboard is installed")
-    except ImportError:
-        pass
+    monkeypatch.setattr(tb, "_TENSORBOARD_AVAILABLE", False)  # as if neither package were installed
+    monkeypatch.setattr(tb, "_TENSORBOARDX_AVAILABLE", False)
     code, _, err = _run(
         [
             "fit",
@@ -245,7 +243,21 @@ def test_missing_optional_logger_names_the_real_cause(capsys, run_root):
         capsys,
     )
     assert code == 2
-    assert "tensorboard" in err and "dict with parameters" not in err, err
+    assert "Neither `tensorboard` nor `tensorboardX` is available" in err, err
+    assert "dict with parameters" not in err and len(err.strip().splitlines()[-1]) < 300, err
+
+
+def test_missing_tensorboard_for_the_tensorboard_option_names_the_extra(capsys, run_root, monkeypatch):
+    from lightning.fabric.loggers import tensorboard as tb
+
+    monkeypatch.setattr(tb, "_TENSORBOARD_AVAILABLE", False)
+    monkeypatch.setattr(tb, "_TENSORBOARDX_AVAILABLE", False)
+    code, _, err = _run(
+        ["fit", *TINY, "--trainer.tensorboard", "true", "--trainer.default_root_dir", str(run_root)], capsys
+    )
+    assert code == 2
+    assert "error: trainer.tensorboard=true: neither tensorboard nor tensorboardX" in err, err
+    assert "[tb]" in err and not list(run_root.iterdir())
 
 
 def test_mixed_precision_is_refused_in_one_line(capsys, run_root):

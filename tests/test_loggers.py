@@ -145,3 +145,55 @@ def test_csv_keeps_the_history_of_a_fit_killed_at_stage_3_and_resumed(run_root, 
     steps = [int(float(r["step"])) for r in rows]
     assert steps == list(range(len(rows))), "one global step per round across the resume"
     assert not (run / "logs" / "fit-1").exists()
+
+
+def _tensorboard_events(log_dir):
+    """(hparams, {tag: [(step, value)]}) read back from a TensorBoard event directory."""
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    acc = event_accumulator.EventAccumulator(str(log_dir))
+    acc.Reload()
+    content = acc.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    start = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info
+    hparams = {}
+    for key, value in start.hparams.items():
+        kind = value.WhichOneof("kind")
+        hparams[key] = getattr(value, kind)
+    scalars = {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    return hparams, scalars
+
+
+def test_tensorboard_events_hold_the_settings_rounds_and_request(run_root):
+    pytest.importorskip("tensorboard")
+    trainer, model, data = _objects(run_root, tensorboard=True)
+    trainer.fit(model, data)
+    run = trainer.run_dir
+    trainer2, model2, data2 = _objects(run_root, tensorboard=True)
+    report = trainer2.unlearn(model2, data2, ckpt_path=str(run), clients=[2])
+
+    hparams, scalars = _tensorboard_events(run / "tensorboard" / "fit")
+    for key, value in {"method": "fedshard", "num_clients": 8, "rho": 0.5, "lr": 0.1, "seed": 3}.items():
+        assert hparams[key] == (value if isinstance(value, str) else pytest.approx(value)), key
+    rounds = _rows(run / "logs" / "metrics.csv")
+    losses = [(int(r["step"]), float(r["train_loss"])) for r in rounds if r["train_loss"]]
+    assert [s for s, _ in scalars["train_loss"]] == [s for s, _ in losses], "one point per round, as the CSV"
+    assert [v for _, v in scalars["train_loss"]] == pytest.approx([v for _, v in losses], rel=1e-6)
+
+    hparams, scalars = _tensorboard_events(run / "tensorboard" / "unlearn-1")
+    assert hparams["method"] == "fedshard"
+    assert scalars["unlearn/client_steps"][0][1] == report["client_steps"]
+    assert scalars["unlearn/test_accuracy_after"][0][1] == pytest.approx(report["test_accuracy_after"])
+
+
+def test_tensorboard_missing_is_one_line_naming_the_extra(run_root, monkeypatch):
+    from lightning.fabric.loggers import tensorboard as tb
+
+    from fedshard_lightning.errors import ConfigError
+
+    monkeypatch.setattr(tb, "_TENSORBOARD_AVAILABLE", False)
+    monkeypatch.setattr(tb, "_TENSORBOARDX_AVAILABLE", False)
+    trainer, model, data = _objects(run_root, tensorboard=True)
+    with pytest.raises(ConfigError, match=r"neither tensorboard nor tensorboardX.*\[tb\]"):
+        trainer.fit(model, data)
+    assert not list(run_root.iterdir()), "the failed run left no directory behind"

@@ -34,6 +34,7 @@ __all__ = [
     "find_first",
     "load_or_download",
     "missing_files_error",
+    "set_aside",
     "verify",
 ]
 
@@ -229,7 +230,8 @@ def fetch(file: RemoteFile, root: Path, progress: bool = True, retries: int = 3,
     """Download ``file`` into ``root`` unless a verified copy is already there.
 
     Idempotent: a complete, verified file is returned without touching the network; a file
-    under the final name that fails verification is removed and fetched again. The transfer goes
+    under the final name that fails verification (one placed by hand, say) is renamed
+    ``<name>.bad`` and fetched again. The transfer goes
     to ``<name>.part`` (resumed with an HTTP Range request after an interruption, restarted if the
     server ignores ranges) and is checked before the atomic rename, so a bad download never
     appears under the final name.
@@ -262,10 +264,7 @@ def _fetch_locked(file: RemoteFile, root: Path, progress: bool, retries: int, ti
     if final.exists():
         if verify(final, file):
             return final
-        _log.warning(
-            "%s fails verification (%s): fetching it again", final, _mismatch(final, file, quick=True)
-        )
-        final.unlink()
+        set_aside(final, _mismatch(final, file, quick=True) or "")
     errors: dict[str, str] = {}  # last error per URL
     mismatch: str | None = None
     active = list(file.urls)  # URLs still worth trying, in order (official first)
@@ -291,13 +290,36 @@ def _fetch_locked(file: RemoteFile, root: Path, progress: bool, retries: int, ti
                 active.remove(url)  # a fresh full copy from this URL is bad: it will not improve
         if not active:
             break
+    by_hand = (
+        f"or put {file.name} ({file.expected}) into {root} yourself, extracted or not, and run with "
+        "--data.download false"
+    )
     if mismatch is not None:
         raise DataError(
             f"download of {file.name} failed verification: {mismatch}; the bad download was removed "
-            f"(tried {len(file.urls)} URL(s): {', '.join(file.urls)})"
+            f"(tried {len(file.urls)} URL(s): {', '.join(file.urls)}); {by_hand}"
         )
     tried = "; ".join(f"{url}: {error}" for url, error in errors.items())
-    raise DataError(f"could not download {file.name} into {root} ({max(1, retries)} rounds): {tried}")
+    raise DataError(
+        f"could not download {file.name} into {root} ({max(1, retries)} rounds): {tried}; "
+        f"check the network and retry, {by_hand}"
+    )
+
+
+def set_aside(path: Path, reason: str) -> Path:
+    """Rename a file that fails verification to ``<name>.bad`` (never delete what a user placed).
+
+    A second bad copy becomes ``<name>.bad.2`` and so on, so no earlier one is overwritten either.
+    """
+    bad = path.with_name(path.name + ".bad")
+    n = 1
+    while bad.exists():
+        n += 1
+        bad = path.with_name(f"{path.name}.bad.{n}")
+    os.replace(path, bad)
+    message = f"{path} fails verification ({reason}): kept as {bad.name}, fetching a verified copy"
+    _log.warning(message)
+    return bad
 
 
 class MissingFilesError(DataError):

@@ -23,6 +23,7 @@ from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.engine.aggregate import GroupSums
 from fedshard_lightning.engine.groups import Group, RoundInfo, TrainResult, stack_params, unstack_params
 from fedshard_lightning.engine.local import ClientBatch, Kernel, LocalResult, LocalTrainer, RandomInStep
+from fedshard_lightning.engine.local_layers import LocalLayers
 from fedshard_lightning.engine.optim import OptimizerSpec, optimizer_spec
 from fedshard_lightning.engine.participants import KeyedSampling, ParticipantPolicy
 from fedshard_lightning.engine.path_choice import choose_path
@@ -91,6 +92,7 @@ class FederatedEngine:
         self.batch_invariant = bool(batch_invariant)
         self.names = [n for n, p in module.named_parameters() if p.requires_grad]
         self.buffer_names = client_buffer_names(module)
+        self.local_names: list[str] = []  # FedBN: kept per client within a call (local_layers.py)
         self.spec = optimizer_spec(module, self.names)
         self.local = LocalTrainer(
             module, datamodule, schedule, self.spec, self.names, self.seed, self.buffer_names
@@ -271,6 +273,7 @@ class FederatedEngine:
         rounds_run = [0] * G
         group_steps = [0] * G
         history: list[RoundInfo] = []
+        local = LocalLayers(self.local_names)
         max_rounds = max((g.rounds for g in groups), default=0)
         for r in range(max_rounds):
             active = [i for i, g in enumerate(groups) if r < g.rounds and not stopped[i] and g.clients]
@@ -293,9 +296,8 @@ class FederatedEngine:
                 cl, ow = clients[lo : lo + self.chunk], owner[lo : lo + self.chunk]
                 own_t = torch.as_tensor(ow, device=next(iter(state.values())).device)
                 try:
-                    res = self._run_local(
-                        state, own_t, ClientBatch(cl, [groups[i].key for i in ow], stage, r)
-                    )
+                    start, rows = local.start(state, own_t, cl)
+                    res = self._run_local(start, rows, ClientBatch(cl, [groups[i].key for i in ow], stage, r))
                 except ValueError as err:
                     if "Expected more than 1 value per channel" not in str(err):
                         raise
@@ -305,6 +307,7 @@ class FederatedEngine:
                         "sample, or nn.GroupNorm"
                     ) from None
                 self._check_finite(res, cl, ow, groups, stage, r)
+                local.keep(res.params, cl)
                 n = torch.as_tensor(self.sizes[cl], dtype=state[self.names[0]].dtype, device=own_t.device)
                 sums.add(res.params, n, ow)
                 own_cpu = torch.as_tensor(ow)

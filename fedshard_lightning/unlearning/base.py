@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from fedshard_lightning.engine import FederatedEngine, Group, LocalSchedule, RoundInfo, TrainResult
+from fedshard_lightning.engine.local_layers import LocalBN, local_layer_names
 from fedshard_lightning.errors import CacheError, ConfigError
 from fedshard_lightning.init_args import RecordsInitArgs
 from fedshard_lightning.unlearning.context import AlgorithmContext, LoopEvents
@@ -69,6 +70,9 @@ class Algorithm(RecordsInitArgs):
         local_epochs: Local epochs per round (ignored when ``local_steps`` is set).
         local_steps: Fixed number of local steps per round instead of epochs.
         client_fraction: Share of a group's clients sampled in each round.
+        local_bn: FedBN: ``stats`` keeps each client's BatchNorm running statistics its own,
+            ``layers`` also the BatchNorm weights and biases; ``off`` (default) averages them
+            like every parameter. Evaluation uses their FedAvg average (engine/local_layers.py).
     """
 
     name: str = "algorithm"
@@ -76,6 +80,8 @@ class Algorithm(RecordsInitArgs):
     """Unlearning equals retraining without the clients (``audit`` can certify it)."""
     state_fields: tuple[str, ...] = BASE_STATE
     """Attributes that make up the state; subclasses extend the tuple and :meth:`initial_state`."""
+    local_bn_ok: bool = False
+    """Each group's rounds are one engine call, so FedBN's client-local layers last the whole training."""
 
     def __init__(
         self,
@@ -83,7 +89,16 @@ class Algorithm(RecordsInitArgs):
         local_epochs: int = 1,
         local_steps: int | None = None,
         client_fraction: float = 1.0,
+        local_bn: LocalBN = "off",
     ) -> None:
+        if local_bn not in ("off", "stats", "layers"):
+            raise ConfigError(f"algorithm.local_bn={local_bn!r}: choose off, stats or layers")
+        if local_bn != "off" and not self.local_bn_ok:
+            raise ConfigError(
+                f"algorithm.local_bn={local_bn!r}: {type(self).__name__} trains round by round, so client-local "
+                "BatchNorm layers would not last; use it with FedShard, FedAvg or RapidRetrain"
+            )
+        self.local_bn = local_bn
         self.schedule = LocalSchedule(
             batch_size=batch_size, local_epochs=local_epochs, local_steps=local_steps
         )
@@ -101,6 +116,7 @@ class Algorithm(RecordsInitArgs):
         """Bind to a run (its model and data are ready); build the engine."""
         self.ctx = ctx
         self.engine = ctx.make_engine(self.schedule, self.client_fraction)
+        self.engine.local_names = local_layer_names(self.engine.module, self.local_bn, self.engine.names)
 
     @property
     def events(self) -> LoopEvents:

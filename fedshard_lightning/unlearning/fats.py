@@ -59,6 +59,8 @@ class FATS(FedAvg):
             (``client_fraction`` must stay 1.0: the sampler replaces it).
     """
 
+    local_bn_ok = False  # one engine call per round
+
     name = "fats"
     state_fields = (*FedAvg.state_fields, "models", "participants")
 

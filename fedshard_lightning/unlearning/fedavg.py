@@ -31,6 +31,8 @@ class FedAvg(Algorithm):
         **kwargs: Local training settings, see :class:`~fedshard_lightning.unlearning.base.Algorithm`.
     """
 
+    local_bn_ok = True  # one engine call trains every round
+
     name = "fedavg"
     state_fields = (*Algorithm.state_fields, "params")
 

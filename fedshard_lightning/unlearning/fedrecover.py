@@ -248,8 +248,13 @@ class FedRecover(HistoryFedAvg):
                 old_flat = self._flat(old, stacked=True)
                 est = torch.stack([old_flat[pos[c]] + self._correction(buffers.get(c), v) for c in ids])
                 n = torch.as_tensor([float(sizes[c]) for c in ids], dtype=torch.float64, device=device)
-                step = (n / n.sum()).to(est.dtype) @ est
-                w_hat = self._unflat(self._flat(w_hat) + step, w_hat)
+                weights = (n / n.sum()).to(est.dtype)
+                new_w = self._unflat(self._flat(w_hat) + weights @ est, w_hat)
+                rows = torch.as_tensor([pos[c] for c in ids], device=device)
+                for k in self.engine.buffer_names:  # BN statistics: no gradient to correct, stored updates
+                    upd = old[k].index_select(0, rows).reshape(len(ids), -1)
+                    new_w[k] = w_hat[k] + (weights.to(upd.dtype) @ upd).reshape(w_hat[k].shape)
+                w_hat = new_w
             server += time.perf_counter() - ts
         seconds = time.perf_counter() - t0
         self.params = {k: v.clone() for k, v in w_hat.items()}

@@ -86,6 +86,8 @@ class FedShard(ShardCosts, ShardCache, Algorithm):
         **kwargs: Local training settings, see :class:`~fedshard_lightning.unlearning.base.Algorithm`.
     """
 
+    local_bn_ok = True  # one engine call per stage
+
     name = "fedshard"
     state_fields = (*Algorithm.state_fields, "tree", "records", "models", "stage_seconds", "changed")
 

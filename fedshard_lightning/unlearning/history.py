@@ -128,6 +128,8 @@ class HistoryFedAvg(FedAvg):
         **kwargs: Local training settings, see :class:`~fedshard_lightning.unlearning.base.Algorithm`.
     """
 
+    local_bn_ok = False  # one engine call per round
+
     state_fields = (*FedAvg.state_fields, "history")
 
     def __init__(self, rounds: int = 20, keep_every: int = 1, **kwargs: Any) -> None:

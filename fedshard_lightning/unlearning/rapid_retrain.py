@@ -147,6 +147,7 @@ class RapidRetrain(FedAvg):
         """Build the training engine and the unlearning engine (Fisher-preconditioned client optimizer)."""
         super().setup(ctx)
         engine = ctx.make_engine(self.schedule, self.client_fraction)
+        engine.local_names = self.engine.local_names
         hp = {"lr": self.lr, "momentum": self.fisher_momentum, "damping": self.damping}
         spec = OptimizerSpec(
             FisherPreconditionedSGD, tuple((names, dict(hp)) for names, _ in engine.spec.groups)

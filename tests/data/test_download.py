@@ -118,11 +118,32 @@ def test_verified_file_is_not_fetched_again(server, tmp_path):
     assert (tmp_path / "payload.bin").stat().st_mtime_ns == mtime
 
 
-def test_existing_file_that_fails_verification_is_replaced(server, tmp_path):
+def test_existing_file_that_fails_verification_is_kept_as_bad_and_replaced(server, tmp_path, caplog):
     file = server.remote("payload.bin", PAYLOAD)
     (tmp_path / "payload.bin").write_bytes(b"stale")
-    assert fetch(file, tmp_path, progress=False).read_bytes() == PAYLOAD
+    with caplog.at_level("WARNING", logger="fedshard_lightning.data.download"):
+        assert fetch(file, tmp_path, progress=False).read_bytes() == PAYLOAD
     assert len(server.requests) == 1
+    assert (tmp_path / "payload.bin.bad").read_bytes() == b"stale", "a hand-placed file is never deleted"
+    [message] = [r.getMessage() for r in caplog.records]
+    assert "\n" not in message and "fails verification" in message and "kept as payload.bin.bad" in message
+    # A second bad copy does not overwrite the first.
+    (tmp_path / "payload.bin").write_bytes(b"stale again")
+    file_again = RemoteFile(file.name, file.urls, md5=file.md5, size=len(PAYLOAD) + 1)
+    with pytest.raises(DataError):
+        fetch(file_again, tmp_path, progress=False, retries=1)
+    assert (tmp_path / "payload.bin.bad").read_bytes() == b"stale"
+    assert (tmp_path / "payload.bin.bad.2").read_bytes() == b"stale again"
+
+
+def test_download_failure_names_the_manual_route(server, tmp_path):
+    file = RemoteFile("gone.bin", (server.url("/a/gone.bin"),), md5="0" * 32)
+    with pytest.raises(DataError) as info:
+        fetch(file, tmp_path / "root", progress=False, retries=1)
+    message = str(info.value)
+    assert "\n" not in message
+    assert f"put gone.bin (md5 {'0' * 32}) into {tmp_path / 'root'}" in message
+    assert message.endswith("--data.download false")
 
 
 def test_mirror_fallback(server, tmp_path):
