@@ -185,7 +185,12 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s)")
     if "fedavg" in args.what:
-        profile_fit("FedAvg 20 rounds", lambda: FedAvg(rounds=20, batch_size=10, local_epochs=1), args.top, args.repeats)
+        profile_fit(
+            "FedAvg 20 rounds",
+            lambda: FedAvg(rounds=20, batch_size=10, local_epochs=1),
+            args.top,
+            args.repeats,
+        )
     if "fedshard" in args.what:
         profile_fit("FedShard", lambda: FedShard(batch_size=10, local_epochs=1), args.top, args.repeats)
     if "unlearn" in args.what:

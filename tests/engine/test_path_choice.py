@@ -32,7 +32,7 @@ def _fit(root, model=None, **kw):
 
 
 def test_second_fit_of_the_same_model_does_not_probe(tmp_path, timings, capsys):
-    first, m1 = _fit(tmp_path / "a")
+    _, m1 = _fit(tmp_path / "a")
     assert len(timings) == 1
     second, m2 = _fit(tmp_path / "b")
     assert len(timings) == 1, "the second fit reused the decision"
