@@ -167,8 +167,9 @@ def run_loggers(trainer: Any, run_dir: Path, command: str, resume: bool = False)
     """CSV into ``run_dir/logs``, W&B and TensorBoard when asked, the user's; each gets the run's hyper-parameters.
 
     ``fit`` writes ``logs/metrics.csv`` (a resumed fit appends to it, so the curves of the stages
-    before an interruption stay); later commands write ``logs/<command>-N/metrics.csv``. The CSV
-    is flushed every logged row (one per round, never per step), so a killed run keeps its curves.
+    before an interruption stay); later commands write ``logs/<command>-N/metrics.csv``. One row
+    per round (never per step); the file is written by :class:`~.callbacks.MetricsLogger` at every
+    stage end, every few seconds and when the run ends or stops, so a killed run keeps its curves.
     """
     logs = run_dir / "logs"
     trainer.csv_history = _read_csv(logs / "metrics.csv") if command == "fit" and resume else []
@@ -179,7 +180,7 @@ def run_loggers(trainer: Any, run_dir: Path, command: str, resume: bool = False)
             n += 1
         version = f"{command}-{n}"
     loggers: list[Logger] = [
-        CSVLogger(root_dir=str(run_dir), name="logs", version=version, flush_logs_every_n_steps=1)
+        CSVLogger(root_dir=str(run_dir), name="logs", version=version, flush_logs_every_n_steps=2**62)
     ]
     hparams = run_hparams(trainer)
     if trainer.wandb:

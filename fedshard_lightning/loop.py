@@ -9,6 +9,7 @@ algorithm.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -161,7 +162,13 @@ def run_fit(trainer: Any, run_dir: Path, resume: bool, exclude: list[int]) -> di
         alg.reset(alg.engine.module_params(), exclude=exclude)
         trainer.store.requests, trainer.store.complete_committed = [], False
     trainer.fabric.call("on_fit_start", trainer)
-    params = alg.current_params() if finished else alg.fit()
+    try:
+        params = alg.current_params() if finished else alg.fit()
+    except BaseException:
+        for logger in trainer.fabric.loggers:  # rows are written in batches: keep the stopped fit's
+            with contextlib.suppress(OSError):
+                logger.save()
+        raise
     if not trainer.store.complete_committed:  # the algorithm reported no final stage: commit it here
         trainer._events.checkpoint("fit", complete=True)  # fit returned: the state is final
     seconds = time.perf_counter() - t0

@@ -3,7 +3,8 @@
 A long run must be watchable wherever it runs. On a terminal a rich live line is updated once
 per round; when stderr is not a terminal (SLURM, nohup, CI, a pipe) one plain line is printed per
 stage instead, so a log file shows how far the run got and how long it still needs. All work
-happens per round or per stage, never per local step.
+happens per round or per stage, never per local step, and the live line is redrawn at most every
+``refresh_every_s`` (rich draws from its own thread), so thousands of short rounds cost nothing.
 
 The ETA assumes the remaining stages cost what the finished ones did on average (FedShard's
 stages train every client for a similar number of rounds); before the first stage ends it
@@ -37,10 +38,13 @@ class ProgressBar(FederatedCallback):
     Args:
         force: Show the live display even when stderr is not a terminal.
         plain: Print the plain per-stage lines even on a terminal (for logs of interactive runs).
+        refresh_every_s: Shortest time between two updates of the live line within a stage.
     """
 
-    def __init__(self, force: bool = False, plain: bool = False) -> None:
+    def __init__(self, force: bool = False, plain: bool = False, refresh_every_s: float = 0.2) -> None:
         self.force, self.plain = force, plain
+        self.refresh_every_s = float(refresh_every_s)
+        self._shown = 0.0
         self._progress: Any = None
         self._task: Any = None
         self._t0 = 0.0
@@ -127,8 +131,12 @@ class ProgressBar(FederatedCallback):
         """Advance: the round, the throughput and the ETA, with the loss and accuracy."""
         self._round = int(info.round) + 1
         self._steps = float(metrics.get("client_steps", self._steps))
-        if self._progress is None:
+        now = time.perf_counter()
+        if self._progress is None or (
+            self._round < self._rounds and now - self._shown < self.refresh_every_s
+        ):
             return
+        self._shown = now
         acc = metrics.get("test_accuracy")
         status = f"loss {metrics.get('train_loss', float('nan')):.3f}" + (
             f" acc {acc:.3f}" if acc is not None else ""

@@ -4,13 +4,25 @@ The stacked path is not always faster (a model of many small layers on a CPU may
 client at a time), and not always possible (random operators that ``vmap`` cannot key per client
 make the stacked step raise :class:`~.step_context.RandomInStep`). :func:`choose_path` answers
 both before the first round, with the reason the trainer prints at start-up.
+
+The answer depends on the model and the machine, not on the run, so it is kept per model
+signature (:func:`path_signature`): in the process (a second fit of the same model does not time
+again) and in ``$FEDSHARD_CACHE_DIR`` (default ``~/.cache/fedshard_lightning``; empty: off) as
+``vectorize_auto.json``, so a later process reuses it too. Delete that file to time again.
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import hashlib
+import json
 import math
+import os
 import time
+from pathlib import Path
 
+import torch
 from torch import Tensor
 
 from fedshard_lightning.engine.client_loop import ClientBatch
@@ -18,10 +30,94 @@ from fedshard_lightning.engine.local import LocalTrainer
 from fedshard_lightning.engine.schedule import LocalSchedule
 from fedshard_lightning.engine.step_context import RandomInStep
 
-__all__ = ["choose_path"]
+__all__ = ["choose_path", "decided_paths", "path_signature", "time_paths"]
+
+# Decisions of this process: signature -> (path, reason).
+_DECIDED: dict[str, tuple[str, str]] = {}
+
+
+def decided_paths() -> dict[str, tuple[str, str]]:
+    """The decisions this process holds (tests clear it to time again)."""
+    return _DECIDED
+
+
+def path_signature(local: LocalTrainer, batch: ClientBatch) -> str:
+    """What the timing depends on: model class and shapes, data, batch, device, dtype, threads, chunk."""
+    module = local.module
+    shapes = ",".join(f"{n}:{tuple(v.shape)}" for n, v in module.named_parameters())
+    p = next(module.parameters())
+    return "|".join(
+        [
+            f"{type(module).__module__}.{type(module).__qualname__}",
+            shapes,
+            f"input {tuple(local.dm.input_shape)}",
+            f"batch {local.schedule.batch_size}",
+            f"device {p.device}",
+            f"dtype {p.dtype}",
+            f"chunk {min(len(batch.clients), 8)}",
+            f"optimizer {local.spec.cls.__name__}",
+            f"kernel {local.kernel} {local.conv_mode} compiled={local.compiled}",
+            f"threads {torch.get_num_threads()}",
+            f"torch {torch.__version__}",
+            f"cpus {os.cpu_count()}",
+        ]
+    )
+
+
+def _store() -> Path | None:
+    root = os.environ.get("FEDSHARD_CACHE_DIR")
+    if root is None:
+        root = str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fedshard_lightning")
+    return Path(root) / "vectorize_auto.json" if root else None
+
+
+def _read(path: Path) -> dict[str, dict[str, str]]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _persist(path: Path, key: str, signature: str, mode: str, reason: str) -> None:
+    """Add one decision to the file (atomic replace; an unwritable cache is skipped, never an error)."""
+    with contextlib.suppress(OSError):
+        data = _read(path)
+        when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        data[key] = {"mode": mode, "reason": reason, "signature": signature, "decided": when}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+        os.replace(tmp, path)
 
 
 def choose_path(local: LocalTrainer, start: dict[str, Tensor], batch: ClientBatch) -> tuple[str, str]:
+    """``(path, reason)``: the decision kept for this model signature, else :func:`time_paths`.
+
+    A decision that came from the cache says so (and where) in its reason.
+    """
+    signature = path_signature(local, batch)
+    if signature in _DECIDED:
+        mode, reason = _DECIDED[signature]
+        return mode, f"{reason}; kept from an earlier fit of this model in this process"
+    key = hashlib.sha256(signature.encode()).hexdigest()[:24]
+    path = _store()
+    entry = _read(path).get(key) if path is not None else None
+    if (
+        isinstance(entry, dict)
+        and entry.get("signature") == signature
+        and entry.get("mode") in ("stacked", "loop")
+    ):
+        _DECIDED[signature] = (entry["mode"], str(entry.get("reason", "vectorize: auto")))
+        return entry["mode"], f"{entry.get('reason')} ({entry.get('decided')}, kept in {path})"
+    mode, reason = time_paths(local, start, batch)
+    _DECIDED[signature] = (mode, reason)
+    if path is not None:
+        _persist(path, key, signature, mode, reason)
+    return mode, reason
+
+
+def time_paths(local: LocalTrainer, start: dict[str, Tensor], batch: ClientBatch) -> tuple[str, str]:
     """Time two local steps per client both ways (results discarded); ``(cheaper path, reason)``.
 
     The stacked kernel runs up to 8 clients (its cost per client falls with more clients, so

@@ -165,14 +165,20 @@ class _ExactObjective:
                  (wi * bi * bi).sum(), (wi * si * si).sum(), (wi * bi * si).sum())
             )  # fmt: skip
         self.child = np.asarray(rows, dtype=np.float64)
+        self._alphas = [float(a) for a in alphas]
 
     def rounds(self, groups: list[list[int]]) -> np.ndarray:
-        return np.asarray(
-            self.rounds_fn([[float(self.alphas[i]) for i in g] for g in groups]), dtype=np.float64
-        )
+        return np.asarray(self.rounds_fn([[self._alphas[i] for i in g] for g in groups]), dtype=np.float64)
+
+    def group_sums(self, group: list[int]) -> np.ndarray:
+        """The nine sums of one group (one row of :meth:`value_of`'s ``agg``)."""
+        return self.child[group].sum(axis=0)
 
     def value(self, groups: list[list[int]], rounds: np.ndarray) -> float:
-        agg = np.stack([self.child[g].sum(axis=0) for g in groups])
+        return self.value_of(np.stack([self.group_sums(g) for g in groups]), rounds)
+
+    def value_of(self, agg: np.ndarray, rounds: np.ndarray) -> float:
+        """M_e from the groups' sums ``agg`` [G, 9] (a swap updates two rows, not all of them)."""
         n, sb, ss, sw, swb, sws, swb2, sws2, swbs = agg.T
         t, big_s = rounds, ss
         sz = sb - t * ss + n * t * big_s
@@ -221,7 +227,8 @@ def refine_by_swaps(
     obj = _ExactObjective(costs, np.asarray(alphas, dtype=np.float64))
     groups = [list(g) for g in groups]
     where = {i: (gi, pos) for gi, g in enumerate(groups) for pos, i in enumerate(g)}
-    best = obj.value(groups, obj.rounds(groups))
+    agg = np.stack([obj.group_sums(g) for g in groups])
+    best = obj.value_of(agg, obj.rounds(groups))
     rng = np.random.default_rng(seed)
     n = len(where)
     evals = 0
@@ -238,12 +245,15 @@ def refine_by_swaps(
                     continue
                 evals += 1
                 groups[gi][pi], groups[gj][pj] = j, i
-                value = obj.value(groups, obj.rounds(groups))
+                row_i, row_j = agg[gi].copy(), agg[gj].copy()
+                agg[gi], agg[gj] = obj.group_sums(groups[gi]), obj.group_sums(groups[gj])
+                value = obj.value_of(agg, obj.rounds(groups))
                 if value < best * (1 - 1e-12):
                     best, improved = value, True
                     where[i], where[j] = (gj, pj), (gi, pi)
                     break
                 groups[gi][pi], groups[gj][pj] = i, j
+                agg[gi], agg[gj] = row_i, row_j
                 if evals >= max_evals:
                     break
     return groups

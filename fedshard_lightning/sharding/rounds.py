@@ -22,6 +22,7 @@ Departures from the paper and choices of ours:
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections.abc import Mapping, Sequence
@@ -51,6 +52,12 @@ def _population_variance(values: Sequence[float]) -> float:
         raise ValueError("a new shard must have at least one child alpha")
     mean = math.fsum(values) / n
     return math.fsum((v - mean) ** 2 for v in values) / n
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _variance_of(values: tuple[float, ...]) -> float:
+    """:func:`_population_variance`, remembered: A1's swap search asks for the same groups thousands of times."""
+    return _population_variance(values)
 
 
 def a2_rounds(variances: Sequence[float], t0: int, t1: int) -> list[int]:
@@ -186,7 +193,7 @@ class A2Rounds(RoundPolicy):
 
     def rounds(self, stage: int, children_alphas: Sequence[Sequence[float]]) -> list[int]:
         """A2 rounds from the population variance of every shard's children's alphas."""
-        return a2_rounds([_population_variance(c) for c in children_alphas], self.t0, self.t1)
+        return a2_rounds([_variance_of(tuple(c)) for c in children_alphas], self.t0, self.t1)
 
     def expected_rounds(self, stage: int, last: bool) -> float:
         """``t1`` where all variances are equal (stage 1, the last stage), else the middle of the range."""
@@ -258,7 +265,7 @@ class AutoRounds(RoundPolicy):
                 f"AutoRounds: stage {stage} needs the rounds observed in stages "
                 f"1..{self.calibration_stages}; call observe(stage, tracker.rounds_used) after each of them"
             )
-        variances = [_population_variance(c) for c in children_alphas]
+        variances = [_variance_of(tuple(c)) for c in children_alphas]
         return a2_rounds(variances, *observed)
 
     def expected_rounds(self, stage: int, last: bool) -> float:

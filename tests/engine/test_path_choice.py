@@ -1,0 +1,77 @@
+"""``vectorize: auto`` times the two paths once per model signature, in the process and across processes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from _tiny import tiny_data, tiny_model, tiny_trainer
+
+from fedshard_lightning.engine import path_choice
+from fedshard_lightning.models import MLP
+
+
+@pytest.fixture
+def timings(monkeypatch):
+    """Count the timing runs (the real ones still run and decide)."""
+    calls = []
+    real = path_choice.time_paths
+
+    def counted(local, start, batch):
+        calls.append(path_choice.path_signature(local, batch))
+        return real(local, start, batch)
+
+    monkeypatch.setattr(path_choice, "time_paths", counted)
+    return calls
+
+
+def _fit(root, model=None, **kw):
+    trainer = tiny_trainer(root, vectorize="auto", **kw)
+    metrics = trainer.fit(model or tiny_model(), tiny_data())
+    return trainer, metrics
+
+
+def test_second_fit_of_the_same_model_does_not_probe(tmp_path, timings, capsys):
+    _, m1 = _fit(tmp_path / "a")
+    assert len(timings) == 1
+    second, m2 = _fit(tmp_path / "b")
+    assert len(timings) == 1, "the second fit reused the decision"
+    assert m2["vectorize_mode"] == m1["vectorize_mode"]
+    out = capsys.readouterr().out
+    assert "kept from an earlier fit of this model in this process" in out
+    assert "vectorize: auto; timed" in second.algorithm.engine.mode_reason
+
+
+def test_decision_is_persisted_for_a_new_process_and_keyed_by_signature(tmp_path, timings, monkeypatch):
+    monkeypatch.setenv("FEDSHARD_CACHE_DIR", str(tmp_path / "cache"))
+    _, m1 = _fit(tmp_path / "a")
+    stored = json.loads((tmp_path / "cache" / "vectorize_auto.json").read_text())
+    (entry,) = stored.values()
+    assert entry["mode"] == m1["vectorize_mode"] and entry["signature"] == timings[0]
+    path_choice.decided_paths().clear()  # as a new process starts
+    trainer, m2 = _fit(tmp_path / "b")
+    assert len(timings) == 1 and m2["vectorize_mode"] == m1["vectorize_mode"]
+    assert "kept in" in trainer.algorithm.engine.mode_reason
+    # Another architecture is another signature: it is timed.
+    _fit(tmp_path / "c", model=MLP(hidden=(24,), lr=0.1))
+    assert len(timings) == 2 and timings[1] != timings[0]
+    assert len(json.loads((tmp_path / "cache" / "vectorize_auto.json").read_text())) == 2
+
+
+def test_empty_cache_dir_keeps_decisions_in_the_process_only(tmp_path, timings, monkeypatch):
+    monkeypatch.setenv("FEDSHARD_CACHE_DIR", "")
+    monkeypatch.chdir(tmp_path)
+    _fit(tmp_path / "a")
+    path_choice.decided_paths().clear()
+    _fit(tmp_path / "b")
+    assert len(timings) == 2
+    assert not list(tmp_path.rglob("vectorize_auto.json"))
+
+
+def test_unreadable_cache_file_is_timed_again(tmp_path, timings, monkeypatch):
+    monkeypatch.setenv("FEDSHARD_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "vectorize_auto.json").write_text("{not json")
+    _fit(tmp_path / "a")
+    assert len(timings) == 1
+    assert len(json.loads((tmp_path / "cache" / "vectorize_auto.json").read_text())) == 1
