@@ -22,23 +22,21 @@ import torch
 from lightning.fabric.loggers import Logger
 from torch import Tensor
 
-from fedshard_lightning.cache import FLCache, atomic_save_tensors, load_tensors
+from fedshard_lightning.cache import FLCache
 from fedshard_lightning.callbacks import FederatedCallback, default_callbacks
 from fedshard_lightning.data.base import FederatedDataModule
+from fedshard_lightning.deployed import load_model, save_model
 from fedshard_lightning.engine import evaluate
-from fedshard_lightning.errors import CacheError, ConfigError, FedShardError
-from fedshard_lightning.fingerprint import fingerprint
+from fedshard_lightning.errors import ConfigError, FedShardError
+from fedshard_lightning.fingerprint import fingerprint, fingerprint_body
 from fedshard_lightning.loggers import run_loggers, wandb_state
 from fedshard_lightning.loop import TrainerEvents, launch_fabric, load_run, run_fit
 from fedshard_lightning.module import bind_model, param_dtype
 from fedshard_lightning.numerics import oversubscription_warning
 from fedshard_lightning.requests import apply_request
-from fedshard_lightning.run_dir import (
-    existing_run_dir,
-    new_run_dir,
-    run_lock,
-)
+from fedshard_lightning.run_dir import existing_run_dir, new_run_dir, run_lock
 from fedshard_lightning.store import RunStore
+from fedshard_lightning.tensor_schema import schema_of
 from fedshard_lightning.unlearning.base import Algorithm
 
 __all__ = ["FederatedTrainer"]
@@ -267,7 +265,7 @@ class FederatedTrainer:
 
     def _write_model(self, params: dict[str, Tensor]) -> None:
         self._set_params(params)
-        atomic_save_tensors(self.run_dir / "model.safetensors", self.module.state_dict())
+        save_model(self.run_dir / "model.safetensors", self.module.state_dict())
 
     def _print(self, text: str) -> None:
         if self.is_global_zero:
@@ -299,13 +297,15 @@ class FederatedTrainer:
             run_dir = Path(self.fabric.broadcast(made, src=0))
         self._print(f"run directory: {run_dir}")
         try:
-            self._setup(model, datamodule, run_dir, "fit")
-            return run_fit(self, run_dir, resume, exclude_clients or [])
+            with run_lock(run_dir):  # one process trains a run: a second resume stops in one line
+                self._setup(model, datamodule, run_dir, "fit")
+                self.store.claim(resume, fingerprint_body(self.module, datamodule, self.algorithm, self.seed))
+                return run_fit(self, run_dir, resume, exclude_clients or [])
         except BaseException as e:
             # A run that failed before its first cache commit holds nothing worth keeping.
             if not resume and self.is_global_zero and not (run_dir / "cache" / "CURRENT").exists():
                 shutil.rmtree(run_dir, ignore_errors=True)
-            elif self.is_global_zero and not isinstance(e, FedShardError):
+            elif self.is_global_zero and not isinstance(e, (FedShardError, OSError)):  # OSError: one line
                 sys.stderr.write(f"{resume_hint(run_dir, self.config_yaml is not None)}\n")
             raise
 
@@ -337,18 +337,11 @@ class FederatedTrainer:
         if not (path is not None and path.is_file()) and (run_dir / "cache" / "CURRENT").is_file():
             # A run's deployed model is the cache's current one: load the cache (checksums verified),
             # repair a stale or damaged model.safetensors from it, and evaluate what the cache holds.
-            self._load_run(model, datamodule, str(run_dir), "test")
-            params = self.algorithm.current_params()
-            return self._test_metrics(params, weights)
-        self._setup(model, datamodule, run_dir, "test")
-        state = load_tensors(weights, device=self.device)
-        try:
-            self.module.load_state_dict(state, strict=True)
-        except RuntimeError as e:
-            first = str(e).splitlines()[0] if str(e) else "shape mismatch"
-            raise CacheError(
-                f"{weights} does not match the configured model ({first}); use the run's config.yaml"
-            ) from None
+            with run_lock(run_dir):
+                self._load_run(model, datamodule, str(run_dir), "test")
+                return self._test_metrics(self.algorithm.current_params(), weights)
+        self._setup(model, datamodule, run_dir, "test")  # a model file: its hash, names, shapes and dtypes
+        self.module.load_state_dict(load_model(weights, schema_of(self.module.state_dict()), self.device))
         return self._test_metrics(self.algorithm.engine.module_params(), weights)
 
     def _test_metrics(self, params: dict[str, Tensor], weights: Path) -> dict[str, Any]:
@@ -399,8 +392,9 @@ class FederatedTrainer:
                 f"tolerance={tolerance!r}: must be a finite number >= 0 (0 asks for bit-exactness)"
             )
         self.enable_progress_bar = False
-        self._load_run(model, datamodule, ckpt_path, "audit")
-        result = self.algorithm.audit(float(tolerance))
+        with run_lock(existing_run_dir(ckpt_path, "audit")):
+            self._load_run(model, datamodule, ckpt_path, "audit")
+            result = self.algorithm.audit(float(tolerance))
         if not result["passed"]:
             cause = (
                 "; ".join(self.numerics_notes)
