@@ -42,7 +42,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load, save
 from torch import Tensor
 
-from fedshard_lightning.cache_gc import Retention
+from fedshard_lightning.cache_gc import LOG_FIELDS, Retention
 from fedshard_lightning.cache_io import (
     _SHA256,
     BLOBS,
@@ -56,9 +56,12 @@ from fedshard_lightning.cache_io import (
     load_tensors,
     remove_stale_tmp,
     sha256_file,
+    writing,
 )
 from fedshard_lightning.cache_stacks import StackStore, StackWrite
+from fedshard_lightning.cache_verify import Verification
 from fedshard_lightning.errors import CacheError
+from fedshard_lightning.tensor_schema import schema_of
 
 __all__ = [
     "FLCache",
@@ -72,17 +75,15 @@ __all__ = [
 ]
 
 FORMAT = "fedshard-flcache/2"
-# Append-only manifest fields (the trainer's request log): every entry is a JSON blob and a
-# manifest lists their digests, so a version adds its new entries only. Inline, the log made a
-# manifest O(requests) and the cache O(requests^2) (150 KB per manifest after 100 requests).
-LOG_FIELDS = ("requests",)
 
 
-class FLCache(StackStore, Retention):
+class FLCache(StackStore, Retention, Verification):
     """Versioned, atomic, content-addressed store of manifests, tensor files and stacks of models."""
 
     def __init__(self, root: Path | str) -> None:
         self.root = Path(root)
+        self._fresh: list[Path] = []  # blobs the running commit created
+        self.row_schema: dict[str, Any] | None = None  # the model every stack row must match, when known
 
     # -- reading ---------------------------------------------------------------------------------
     def exists(self) -> bool:
@@ -115,19 +116,6 @@ class FLCache(StackStore, Retention):
             for p in self.root.iterdir()
             if p.is_dir() and not p.name.startswith(".") and p.name != BLOBS
         )
-
-    def pruned(self) -> set[str]:
-        """Versions whose models ``gc`` dropped (their manifests and stack indexes stay readable)."""
-        path = self.root / "PRUNED"
-        if not path.is_file():
-            return set()
-        try:
-            data = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError, OSError):
-            raise CacheError(f"{path} is not valid JSON; the cache is damaged") from None
-        if not isinstance(data, dict) or not isinstance(data.get("versions"), list):
-            raise CacheError(f"{path} does not list versions; the cache is damaged")
-        return {str(v) for v in data["versions"]}
 
     def manifest(self, version: str | None = None) -> dict[str, Any]:
         """The manifest of a version (default: current)."""
@@ -165,16 +153,6 @@ class FLCache(StackStore, Retention):
             if field in data:
                 data[field] = self._read_log(data[field], f"{field} of {self.root / version}/manifest.json")
         return data
-
-    def log_digests(self, manifest_path: Path) -> list[str]:
-        """Blob digests of the log entries (e.g. the request reports) that a stored manifest names."""
-        raw = self._read_json(manifest_path)
-        out = []
-        for field in LOG_FIELDS:
-            ref = raw.get(field)
-            if isinstance(ref, dict) and isinstance(ref.get("blobs"), list):
-                out.extend(ref["blobs"])
-        return out
 
     def _read_log(self, ref: Any, what: str) -> list[Any]:
         """An append-only log field: stored as ``{"blobs": [digest, ...]}``, one JSON blob per entry.
@@ -267,29 +245,10 @@ class FLCache(StackStore, Retention):
             raise CacheError(
                 f"{self.blob_path(files[name])} ({what}) is not a valid safetensors file ({e}); refusing to load it"
             ) from None
+        self.check_loaded(out, manifest, "files", name, f"{self.blob_path(files[name])} ({what})")
         # Sorted like load_file's: safetensors.torch.load (from bytes) returns a hash map's order,
         # which differs between processes (DDP ranks would then gather parameters in different orders).
         return {k: out[k].to(device) for k in sorted(out)}
-
-    def verify(self, version: str | None = None) -> None:
-        """Check every blob of a version against its digest (only its indexes when gc pruned it)."""
-        version = version or self.current()
-        manifest = self.manifest(version)
-        pruned = version in self.pruned()
-        for name in manifest.get("stacks", {}):
-            digests = self.stack_digests(name, version, manifest)
-            if pruned:
-                continue
-            for d in set(digests):
-                self._verify_blob(d)
-        if not pruned:
-            for digest in manifest.get("files", {}).values():
-                self._verify_blob(digest)
-
-    def _verify_blob(self, digest: str) -> None:
-        path = self.blob_path(digest)
-        if not path.is_file() or sha256_file(path) != digest:
-            raise CacheError(f"cache file {path} is missing or corrupted (checksum mismatch)")
 
     @staticmethod
     def _read_json(path: Path) -> dict[str, Any]:
@@ -330,10 +289,12 @@ class FLCache(StackStore, Retention):
         if path.parent not in dirs:
             path.parent.mkdir(parents=True, exist_ok=True)
             dirs.add(path.parent)
+        self._fresh.append(path)  # removed again if the commit fails (no manifest names it)
         tmp = path.with_name(f".{digest}.tmp-{os.getpid()}")
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
+        with writing(tmp, path):
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
         touched.append(path)
         return digest
 
@@ -367,48 +328,84 @@ class FLCache(StackStore, Retention):
             tmp = self.root / f".{name}.tmp-{os.getpid()}"
             if tmp.exists():
                 shutil.rmtree(tmp)
-            tmp.mkdir()
-            base_version = self.current() if self.exists() and (reuse or stacks) else None
-            base = self.manifest(base_version) if base_version is not None else None
-            touched: list[Path] = []
-            dirs: set[Path] = set()
-            files: dict[str, str] = {}
-            for new_name, old_name in (reuse or {}).items():
-                if base is None or old_name not in base["files"]:
-                    raise CacheError(f"cannot reuse {old_name!r}: the current version has no such file")
-                files[new_name] = base["files"][old_name]
-                if not self.blob_path(files[new_name]).is_file():
-                    raise CacheError(f"cannot reuse {old_name!r}: its blob is gone (pruned by cache gc?)")
-            for fname, tens in tensors.items():
-                files[fname] = self._put(
-                    save({k: v.detach().contiguous().cpu() for k, v in tens.items()}), touched, dirs
-                )
-            stack_entries = {
-                sname: self._write_stack(sname, st, base, base_version, touched, dirs)
-                for sname, st in (stacks or {}).items()
-            }
-            logs = {
-                field: {
-                    "blobs": [
-                        self._put(json.dumps(entry, sort_keys=True).encode(), touched, dirs)
-                        for entry in manifest[field]
-                    ]
-                }
-                for field in LOG_FIELDS
-                if isinstance(manifest.get(field), list)
-            }
-            body = {**manifest, **logs, "format": FORMAT, "files": files, "stacks": stack_entries}
-            _sync_paths(touched, dirs | {self.root / BLOBS} if touched else dirs)
-            # One line: json's pure-Python encoder (used whenever indent is set) is 10x slower.
-            atomic_write_json(tmp / "manifest.json", body, indent=None)
-            _fsync_dir(tmp)
-            os.replace(tmp, final)
-            _fsync_dir(self.root)
-            atomic_write_json(
-                self.root / "CURRENT",
-                {"version": name, "manifest_sha256": sha256_file(final / "manifest.json")},
-            )
+            self._fresh = []
+            try:
+                tmp.mkdir()
+                self._commit_locked(name, manifest, tensors, reuse, stacks, tmp, final)
+            except BaseException:
+                self._roll_back(name, tmp, final)
+                raise
         return name
+
+    def _commit_locked(
+        self,
+        name: str,
+        manifest: dict[str, Any],
+        tensors: dict[str, dict[str, Tensor]],
+        reuse: dict[str, str] | None,
+        stacks: dict[str, StackWrite] | None,
+        tmp: Path,
+        final: Path,
+    ) -> None:
+        """:meth:`commit`'s body, under the lock, into the temporary folder ``tmp``."""
+        parent = self.current() if self.exists() else None
+        base_version = parent if (reuse or stacks) else None
+        base = self.manifest(base_version) if base_version is not None else None
+        schemas: dict[str, dict[str, Any]] = {"files": {}, "stacks": {}}
+        old_schemas = (base or {}).get("schemas", {}).get("files", {})
+        touched: list[Path] = []
+        dirs: set[Path] = set()
+        files: dict[str, str] = {}
+        for new_name, old_name in (reuse or {}).items():
+            if base is None or old_name not in base["files"]:
+                raise CacheError(f"cannot reuse {old_name!r}: the current version has no such file")
+            files[new_name] = base["files"][old_name]
+            if isinstance(old_schemas, dict) and old_name in old_schemas:
+                schemas["files"][new_name] = old_schemas[old_name]
+            if not self.blob_path(files[new_name]).is_file():
+                raise CacheError(f"cannot reuse {old_name!r}: its blob is gone (pruned by cache gc?)")
+        for fname, tens in tensors.items():
+            schemas["files"][fname] = schema_of(tens)
+            files[fname] = self._put(
+                save({k: v.detach().contiguous().cpu() for k, v in tens.items()}), touched, dirs
+            )
+        stack_entries = {
+            sname: self._write_stack(sname, st, base, base_version, touched, dirs)
+            for sname, st in (stacks or {}).items()
+        }
+        logs = {
+            field: {
+                "blobs": [
+                    self._put(json.dumps(entry, sort_keys=True).encode(), touched, dirs)
+                    for entry in manifest[field]
+                ]
+            }
+            for field in LOG_FIELDS
+            if isinstance(manifest.get(field), list)
+        }
+        schemas["stacks"] = {n: schema_of(st.tensors, rows=True) for n, st in (stacks or {}).items()}
+        chain = {}
+        if parent is not None:  # the hash chain that lets `cache verify --all` check old manifests
+            chain = {"parent": parent, "parent_sha256": sha256_file(self.root / parent / "manifest.json")}
+        body = {
+            **manifest,
+            **logs,
+            **chain,
+            "format": FORMAT,
+            "files": files,
+            "stacks": stack_entries,
+            "schemas": schemas,
+        }
+        _sync_paths(touched, dirs | {self.root / BLOBS} if touched else dirs)
+        # One line: json's pure-Python encoder (used whenever indent is set) is 10x slower.
+        atomic_write_json(tmp / "manifest.json", body, indent=None)
+        _fsync_dir(tmp)
+        os.replace(tmp, final)
+        _fsync_dir(self.root)
+        atomic_write_json(
+            self.root / "CURRENT",
+            {"version": name, "manifest_sha256": sha256_file(final / "manifest.json")},
+        )
 
     def set_current(self, version: str) -> None:
         """Point CURRENT at an existing committed version (used to restore after a replay)."""

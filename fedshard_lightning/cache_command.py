@@ -3,7 +3,9 @@
 ``gc --keep N`` keeps the models of the N newest versions (and of the current one) and drops every
 other blob; every manifest and every stack index stays, so the history of requests and the digest of
 every model that each version had remain provable (see :meth:`FLCache.gc`). ``verify`` checks
-every blob of the current version (``--all``: of every version) against its digest.
+every blob of the current version against its digest; ``--all`` checks every version, and the
+chain of manifest checksums from ``CURRENT`` back to the first commit (a byte flipped in an old
+version's manifest or blob is found).
 
 Like ``unlearn``, both take the run directory's lock (a second process stops with a one-line
 error) and the cache's writer lock; errors are one line, exit status 2.
@@ -73,9 +75,14 @@ def cache_main(argv: list[str]) -> None:
                 f"remain in {cache.root}"
             )
         else:
-            versions = cache.versions() if args.all else [cache.current()]
-            for version in versions:
-                cache.verify(version)
+            if args.all:
+                found = cache.verify_all()
+                versions = found["chain"] + found["other"]
+            else:
+                versions = [cache.current()]
+                cache.verify(versions[0])
             pruned = len(set(versions) & cache.pruned())
             note = f" ({pruned} pruned by gc: their indexes only)" if pruned else ""
+            if args.all and found["other"]:
+                note += f" ({len(found['other'])} off the current history: blobs only)"
             print(f"cache verify: {len(versions)} versions intact{note} in {cache.root}")

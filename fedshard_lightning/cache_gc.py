@@ -2,17 +2,47 @@
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 from typing import Any
 
 from fedshard_lightning.cache_io import BLOBS, _fsync_dir, atomic_write_json, remove_stale_tmp
 from fedshard_lightning.errors import CacheError
 
-__all__ = ["Retention"]
+__all__ = ["LOG_FIELDS", "Retention"]
+
+# Append-only manifest fields (the trainer's request log): every entry is a JSON blob and a
+# manifest lists their digests, so a version adds its new entries only. Inline, the log made a
+# manifest O(requests) and the cache O(requests^2) (150 KB per manifest after 100 requests).
+LOG_FIELDS = ("requests",)
 
 
 class Retention:
     """Retention of :class:`~fedshard_lightning.cache.FLCache` (a mixin over its versions and blobs)."""
+
+    def pruned(self) -> set[str]:
+        """Versions whose models ``gc`` dropped (their manifests and stack indexes stay readable)."""
+        path = self.root / "PRUNED"
+        if not path.is_file():
+            return set()
+        try:
+            data = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError, OSError):
+            raise CacheError(f"{path} is not valid JSON; the cache is damaged") from None
+        if not isinstance(data, dict) or not isinstance(data.get("versions"), list):
+            raise CacheError(f"{path} does not list versions; the cache is damaged")
+        return {str(v) for v in data["versions"]}
+
+    def log_digests(self, manifest_path: Path) -> list[str]:
+        """Blob digests of the log entries (e.g. the request reports) that a stored manifest names."""
+        raw = self._read_json(manifest_path)
+        out = []
+        for field in LOG_FIELDS:
+            ref = raw.get(field)
+            if isinstance(ref, dict) and isinstance(ref.get("blobs"), list):
+                out.extend(ref["blobs"])
+        return out
 
     def gc(self, keep: int) -> dict[str, Any]:
         """Drop the blobs that no kept version uses; keep every manifest and every stack index.

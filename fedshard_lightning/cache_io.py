@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 from torch import Tensor
 
 from fedshard_lightning.errors import CacheError
@@ -31,6 +31,7 @@ __all__ = [
     "load_tensors",
     "remove_stale_tmp",
     "sha256_file",
+    "writing",
 ]
 
 BLOBS = "blobs"
@@ -101,16 +102,36 @@ def remove_stale_tmp(directory: Path, name: str | None = None) -> list[Path]:
     return removed
 
 
+@contextlib.contextmanager
+def writing(tmp: Path, final: Path) -> Iterator[None]:
+    """Remove the temporary ``tmp`` when its write fails, and name ``final`` in an OS error without a path.
+
+    ``f.write`` raises ENOSPC or EFBIG without a file name; the CLI's one-line message needs one.
+    """
+    try:
+        yield
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            if tmp.is_dir() and not tmp.is_symlink():
+                shutil.rmtree(tmp)
+            else:
+                tmp.unlink()
+        if isinstance(e, OSError) and e.filename is None and e.errno is not None:
+            raise OSError(e.errno, e.strerror or os.strerror(e.errno), str(final)) from None
+        raise
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write to a temporary sibling, fsync, rename over ``path``."""
     path = Path(path)
     remove_stale_tmp(path.parent, path.name)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with writing(tmp, path):
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
     _fsync_dir(path.parent)
 
 
@@ -123,16 +144,11 @@ def atomic_save_tensors(
     path: Path, tensors: dict[str, Tensor], metadata: dict[str, str] | None = None
 ) -> str:
     """Save with safetensors atomically; returns the file's SHA-256."""
-    path = Path(path)
-    remove_stale_tmp(path.parent, path.name)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp), metadata=metadata)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    digest = sha256_file(tmp)
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-    return digest
+    # Serialized here and written by Python: safetensors' own writer reports a full disk as a
+    # SafetensorError, not as the OSError (ENOSPC) that the CLI turns into one line.
+    data = save({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, metadata=metadata)
+    atomic_write_bytes(Path(path), data)
+    return hashlib.sha256(data).hexdigest()
 
 
 def load_tensors(

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from fedshard_lightning.cache_io import _SHA256
 from fedshard_lightning.errors import CacheError
+from fedshard_lightning.tensor_schema import check_schema
 
 __all__ = ["StackStore", "StackWrite"]
 
@@ -176,6 +177,7 @@ class StackStore:
     ) -> dict[str, Tensor]:
         """Stacked tensors ``[N, ...]`` of stack ``name`` in a version, every row blob verified."""
         version = version or self.current()
+        manifest = manifest if manifest is not None else self.manifest(version)
         digests = self.stack_digests(name, version, manifest)
         what = f"stack {name} of cache version {version}"
         seen: dict[str, bytes] = {}
@@ -185,6 +187,10 @@ class StackStore:
                 seen[d] = self._read_blob(d, f"row {i} of {what}", version)
             datas.append(seen[d])
         out = _stack_rows(datas, what)
+        self.check_loaded(out, manifest, "stacks", name, what)
+        if self.row_schema is not None:
+            fix = "the cache was modified after it was written, or the configured model is not the run's"
+            check_schema(out, self.row_schema, what, fix + "; use the run's config.yaml", rows=True)
         return {k: out[k].to(device) for k in sorted(out)}
 
     def _write_stack(

@@ -3,7 +3,9 @@
 Subcommands are the trainer's methods (``fit``, ``test``, ``unlearn``, ``audit``), plus
 ``cache gc`` / ``cache verify`` (:mod:`fedshard_lightning.cache_command`, no config needed); configs use
 ``class_path``/``init_args`` for the model, the data, the algorithm and callbacks. Every error a
-user can cause is printed as one line, ``error: ...``, with exit status 2 and no traceback.
+user can cause is printed as one line, ``error: ...``, with exit status 2 and no traceback; an
+environment fault (disk full, read-only, ``ulimit -f``, no permission) is one line too, with
+exit status 3 to 7 (:mod:`fedshard_lightning.os_faults`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.errors import ConfigError, FedShardError
+from fedshard_lightning.os_faults import describe, ignore_sigxfsz
 from fedshard_lightning.trainer import FederatedTrainer
 
 __all__ = ["FederatedCLI", "main"]
@@ -130,7 +133,32 @@ def with_run_config(argv: list[str]) -> list[str]:
     config = (run.parent if run.is_file() else run) / "config.yaml"
     if not config.is_file():
         return argv
-    return [argv[0], "--config", str(config), *argv[1:]]
+    return [argv[0], "--config", str(config), *argv[1:], *_one_process(argv, config)]
+
+
+def _one_process(argv: list[str], config: Path) -> list[str]:
+    """Flags that keep ``test``/``unlearn``/``audit`` in one process when only the run's config asks for DDP.
+
+    A DDP fit records ``devices: 2, strategy: ddp``; reading it back must not silently start two
+    processes again (the engine is batch-invariant, so one process gives the same bits). Flags
+    given on the command line still win.
+    """
+    import yaml
+
+    if argv[0] == "fit" or _option(argv, "--trainer.devices") or _option(argv, "--trainer.strategy"):
+        return []
+    try:
+        trainer = (yaml.safe_load(config.read_text()) or {}).get("trainer") or {}
+    except (OSError, yaml.YAMLError, AttributeError):
+        return []  # the config is read again (and refused in one line) by the parser
+    devices, strategy = trainer.get("devices", 1), str(trainer.get("strategy", "auto"))
+    if devices in (1, "1", "auto", None) and strategy in ("auto", "single_device"):
+        return []
+    sys.stderr.write(
+        f"note: {config} asks for trainer.devices={devices}, trainer.strategy={strategy}; {argv[0]} runs in one "
+        f"process (same bits); add --trainer.devices {devices} --trainer.strategy {strategy} to use them\n"
+    )
+    return ["--trainer.devices", "1", "--trainer.strategy", "auto"]
 
 
 class _Parser(LightningArgumentParser):
@@ -237,6 +265,7 @@ class FederatedCLI(LightningCLI):
 def main(args: list[str] | None = None) -> None:
     """Entry point; user errors become one line on stderr and exit status 2."""
     argv = sys.argv[1:] if args is None else list(args)
+    ignore_sigxfsz()
     if argv[:1] == ["runs"]:
         from fedshard_lightning.runs import runs_main
 
@@ -256,3 +285,7 @@ def main(args: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")
         raise SystemExit(130) from None
+    except OSError as e:  # disk full, read-only, ulimit -f, no permission: one line, exit 3..7
+        code, line = describe(e)
+        sys.stderr.write(_one_line(line) + "\n")
+        raise SystemExit(code) from None

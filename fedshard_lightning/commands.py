@@ -1,8 +1,9 @@
 """The bodies of ``test`` and ``audit``: what each reads, checks and prints, beside the trainer.
 
-``test`` on a run directory evaluates the cache's current model (checksums verified), repairing a
-stale or damaged ``model.safetensors`` from it; on a lone ``.safetensors`` file it evaluates that
-file, refusing one that does not fit the configured model. ``audit`` recomputes the model without
+``test`` on a run directory evaluates the cache's current model (checksums verified, under the run
+lock), repairing a stale or damaged ``model.safetensors`` from it; on a lone ``.safetensors`` file
+it evaluates that file after checking its hash, names, shapes and dtypes against the configured
+model. ``audit`` recomputes the model without
 every unlearned client and compares it with the current one; on a failure it adds the likely
 cause from the recorded numerical environment.
 """
@@ -14,9 +15,9 @@ from typing import Any
 
 from torch import Tensor
 
-from fedshard_lightning.cache import load_tensors
-from fedshard_lightning.errors import CacheError
-from fedshard_lightning.run_dir import existing_run_dir
+from fedshard_lightning.deployed import load_model
+from fedshard_lightning.run_dir import existing_run_dir, run_lock
+from fedshard_lightning.tensor_schema import schema_of
 
 __all__ = ["run_audit", "run_test"]
 
@@ -32,17 +33,13 @@ def run_test(trainer: Any, model: Any, datamodule: Any, ckpt_path: str | None) -
         weights = run_dir / "model.safetensors"
     trainer.enable_progress_bar = False
     if not lone_file and (run_dir / "cache" / "CURRENT").is_file():
-        trainer._load_run(model, datamodule, str(run_dir), "test")
-        return _test_metrics(trainer, trainer.algorithm.current_params(), weights)
-    trainer._setup(model, datamodule, run_dir, "test")
-    state = load_tensors(weights, device=trainer.device)
-    try:
-        trainer.module.load_state_dict(state, strict=True)
-    except RuntimeError as e:
-        first = str(e).splitlines()[0] if str(e) else "shape mismatch"
-        raise CacheError(
-            f"{weights} does not match the configured model ({first}); use the run's config.yaml"
-        ) from None
+        with run_lock(run_dir):
+            trainer._load_run(model, datamodule, str(run_dir), "test")
+            return _test_metrics(trainer, trainer.algorithm.current_params(), weights)
+    trainer._setup(model, datamodule, run_dir, "test")  # a model file: its hash, names, shapes and dtypes
+    trainer.module.load_state_dict(
+        load_model(weights, schema_of(trainer.module.state_dict()), trainer.device)
+    )
     return _test_metrics(trainer, trainer.algorithm.engine.module_params(), weights)
 
 

@@ -24,16 +24,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch import Tensor
-
 from fedshard_lightning.cache import (
     FLCache,
     atomic_write_bytes,
     atomic_write_json,
-    load_tensors,
     remove_stale_tmp,
 )
+from fedshard_lightning.deployed import model_is_stale
 from fedshard_lightning.errors import CacheError, ConfigError, FedShardError
 
 __all__ = [
@@ -97,11 +94,33 @@ def existing_run_dir(ckpt_path: str | None, command: str) -> Path:
     path = Path(ckpt_path)
     if not path.is_dir():
         raise CacheError(f"ckpt_path={ckpt_path!r}: no such run directory")
-    if not (path / "cache").is_dir() and not (path / "model.safetensors").is_file():
+    cache = path / "cache"
+    if cache.is_symlink():
+        raise CacheError(
+            f"{cache} is a symbolic link; a run directory's cache must be a real folder (remove it)"
+        )
+    if command == "fit" and not _resumable(path):
+        raise CacheError(
+            f"ckpt_path={ckpt_path!r} is not a run directory that fit created (config.yaml or "
+            "cache/FINGERPRINT and cache/ expected); start a new run without --ckpt_path"
+        )
+    if not cache.is_dir() and not (path / "model.safetensors").is_file():
         raise CacheError(
             f"ckpt_path={ckpt_path!r} is not a fedshard_lightning run directory (no cache/ inside)"
         )
     return path
+
+
+def _resumable(path: Path) -> bool:
+    """A folder that fit created: its cache folder, and the config or fingerprint that fit records first.
+
+    A fit killed before it recorded either holds nothing trained yet (an empty cache folder).
+    """
+    cache = path / "cache"
+    if not cache.is_dir():
+        return False
+    marks = [path / "config.yaml", cache / "FINGERPRINT", cache / "CURRENT"]
+    return any(m.is_file() for m in marks) or not any(cache.iterdir())
 
 
 @contextlib.contextmanager
@@ -127,8 +146,8 @@ def run_lock(run_dir: Path) -> Iterator[None]:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise FedShardError(
-                f"ckpt_path={run_dir}: another process is unlearning from this run now; "
-                "wait for it to finish, then run this request again"
+                f"ckpt_path={run_dir}: another process is unlearning from this run (or resuming, testing or "
+                "auditing it) now; wait for it to finish, then run this command again"
             ) from None
         yield
     finally:
@@ -151,20 +170,33 @@ class Journal:
             raise CacheError(
                 f"{folder} is a symbolic link; a run directory's folders must be real (remove it)"
             )
-        folder.mkdir(parents=True, exist_ok=True)
+        made_folder = not folder.exists()
+        existed = self.path.exists() or self.path.is_symlink()
         entry = {"time": datetime.now(timezone.utc).isoformat(timespec="seconds"), **entry}
-        try:  # never follow a link planted in the run directory: it could point at any file
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-        except OSError:
-            if self.path.is_symlink():
-                raise CacheError(
-                    f"{self.path} is a symbolic link; the journal must be a regular file (remove the link)"
-                ) from None
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            try:  # never follow a link planted in the run directory: it could point at any file
+                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            except OSError:
+                if self.path.is_symlink():
+                    raise CacheError(
+                        f"{self.path} is a symbolic link; the journal must be a regular file (remove the link)"
+                    ) from None
+                raise
+            with os.fdopen(fd, "a") as f:
+                f.write(json.dumps(entry) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:  # disk full, read-only: leave the run directory as it was
+            if not existed:
+                with contextlib.suppress(OSError):
+                    self.path.unlink()
+            if made_folder:
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+            if e.filename is None and e.errno is not None:
+                raise OSError(e.errno, e.strerror, str(self.path)) from None
             raise
-        with os.fdopen(fd, "a") as f:
-            f.write(json.dumps(entry) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
 
     def committed(self) -> set[int]:
         """Request numbers with a ``committed`` line (lines torn by a crash are skipped)."""
@@ -178,15 +210,6 @@ class Journal:
                 if isinstance(entry, dict) and entry.get("event") == "committed":
                     done.add(int(entry.get("request", -1)))
         return done
-
-
-def model_is_stale(path: Path, params: dict[str, Tensor], device: torch.device) -> bool:
-    """Whether ``model.safetensors`` is missing, unreadable or differs from the cache's current model."""
-    try:
-        on_disk = load_tensors(path, device=device) if path.is_file() else {}
-    except CacheError:
-        return True
-    return any(k not in on_disk or not torch.equal(on_disk[k], v) for k, v in params.items())
 
 
 def _version_with_requests(cache: FLCache, n: int) -> str | None:

@@ -11,16 +11,33 @@ restores the base state itself, so no algorithm can forget to persist ``unlearne
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import torch
 
-from fedshard_lightning.cache import FLCache
+from fedshard_lightning.cache import FLCache, atomic_write_json
 from fedshard_lightning.errors import CacheError
 from fedshard_lightning.init_args import init_args
+from fedshard_lightning.tensor_schema import check_schema, schema_of
 from fedshard_lightning.unlearning.base import Algorithm
 
 __all__ = ["RunStore"]
+
+
+_FIX = (
+    "the cache was modified after it was written, or the configured model is not the run's; use the run's "
+    "config.yaml, or restore the run directory from a backup"
+)
+
+
+def first_difference(a: Any, b: Any, where: str = "") -> str:
+    """The first setting where two fingerprint bodies differ, as ``path: A in the run, B now``."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b), key=str):
+            if a.get(k) != b.get(k):
+                return first_difference(a.get(k), b.get(k), f"{where}.{k}" if where else str(k))
+    return f"{where or 'fingerprint'}: {json.dumps(a)[:80]} in the run, {json.dumps(b)[:80]} now"
 
 
 def _same_tensors(a: Any, b: Any) -> bool:
@@ -62,6 +79,29 @@ class RunStore:
             )
         self.requests = list(manifest.get("requests", []))
         return manifest
+
+    def claim(self, resume: bool, body: dict[str, Any]) -> None:
+        """Bind the run folder to this config before training: a resume is checked even before its first commit.
+
+        Args:
+            resume: Whether this is ``fit --ckpt_path``.
+            body: :func:`~fedshard_lightning.fingerprint.fingerprint_body` of the configured run.
+        """
+        path = self.cache.root / "FINGERPRINT"
+        body = json.loads(json.dumps(body, sort_keys=True, default=str))
+        if resume and path.is_file():
+            try:
+                recorded = json.loads(path.read_bytes())
+                fp, was = recorded["fingerprint"], recorded.get("body", {})
+            except (OSError, ValueError, KeyError, TypeError):
+                raise CacheError(f"{path} is damaged; restore the run directory or start a new run") from None
+            if fp != self.fingerprint:
+                raise CacheError(
+                    f"{self.cache.root.parent} was started with another config or dataset ({first_difference(was, body)}); "
+                    "resume it with its own config.yaml (leave out the changed setting)"
+                )
+        elif self.write and not self.cache.exists() and not path.is_file():
+            atomic_write_json(path, {"fingerprint": self.fingerprint, "body": body})
 
     def commit(
         self, algorithm: Algorithm, label: str, complete: bool, vectorize_mode: str | None
@@ -114,7 +154,11 @@ class RunStore:
         manifest = self.check(algorithm.name)
         if manifest.get("num_clients") != algorithm.num_clients:
             raise CacheError(f"{self.cache.root}: the cache was made for another number of clients")
+        model = schema_of(algorithm.engine.module_params())
+        self.cache.row_schema = model  # every stack row is a model: checked as it is loaded
         algorithm.theta0 = self.cache.tensors("theta0.safetensors", device=device, manifest=manifest)
+        where = f"{self.cache.path_of('theta0.safetensors', manifest=manifest)} (theta0 of the current cache version)"
+        check_schema(algorithm.theta0, model, where, _FIX)
         algorithm.restore_cache(self.cache, manifest, device)
         algorithm.unlearned = [int(c) for c in manifest.get("unlearned", [])]
         algorithm.total_client_steps = int(manifest.get("client_steps", 0))

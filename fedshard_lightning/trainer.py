@@ -22,13 +22,14 @@ import torch
 from lightning.fabric.loggers import Logger
 from torch import Tensor
 
-from fedshard_lightning.cache import FLCache, atomic_save_tensors
+from fedshard_lightning.cache import FLCache
 from fedshard_lightning.callbacks import FederatedCallback, default_callbacks
 from fedshard_lightning.commands import run_audit, run_test
 from fedshard_lightning.data.base import FederatedDataModule
+from fedshard_lightning.deployed import save_model
 from fedshard_lightning.engine import evaluate
 from fedshard_lightning.errors import FedShardError
-from fedshard_lightning.fingerprint import fingerprint
+from fedshard_lightning.fingerprint import fingerprint, fingerprint_body
 from fedshard_lightning.loggers import run_loggers, wandb_state
 from fedshard_lightning.loop import TrainerEvents, launch_fabric, load_run, run_fit
 from fedshard_lightning.module import bind_model, param_dtype
@@ -228,7 +229,7 @@ class FederatedTrainer:
 
     def _write_model(self, params: dict[str, Tensor]) -> None:
         self._set_params(params)
-        atomic_save_tensors(self.run_dir / "model.safetensors", self.module.state_dict())
+        save_model(self.run_dir / "model.safetensors", self.module.state_dict())
 
     def _print(self, text: str) -> None:
         if self.is_global_zero:
@@ -260,13 +261,15 @@ class FederatedTrainer:
             run_dir = Path(self.fabric.broadcast(made, src=0))
         self._print(f"run directory: {run_dir}")
         try:
-            self._setup(model, datamodule, run_dir, "fit")
-            return run_fit(self, run_dir, resume, exclude_clients or [])
+            with run_lock(run_dir):  # one process trains a run: a second resume stops in one line
+                self._setup(model, datamodule, run_dir, "fit")
+                self.store.claim(resume, fingerprint_body(self.module, datamodule, self.algorithm, self.seed))
+                return run_fit(self, run_dir, resume, exclude_clients or [])
         except BaseException as e:
             # A run that failed before its first cache commit holds nothing worth keeping.
             if not resume and self.is_global_zero and not (run_dir / "cache" / "CURRENT").exists():
                 shutil.rmtree(run_dir, ignore_errors=True)
-            elif self.is_global_zero and not isinstance(e, FedShardError):
+            elif self.is_global_zero and not isinstance(e, (FedShardError, OSError)):  # OSError: one line
                 sys.stderr.write(f"{resume_hint(run_dir, self.config_yaml is not None)}\n")
             raise
 
@@ -324,5 +327,6 @@ class FederatedTrainer:
         """
         tolerance = check_tolerance(tolerance)
         self.enable_progress_bar = False
-        self._load_run(model, datamodule, ckpt_path, "audit")
-        return run_audit(self, tolerance)
+        with run_lock(existing_run_dir(ckpt_path, "audit")):
+            self._load_run(model, datamodule, ckpt_path, "audit")
+            return run_audit(self, tolerance)

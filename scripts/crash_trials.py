@@ -7,7 +7,11 @@ the appearance of its run directory) or at a random write event (a cache version
 folder appearing, CURRENT naming a version, model.safetensors appearing). Each killed run directory
 is checked for consistency (``FLCache.current()`` and ``verify()`` of every version whenever
 ``CURRENT`` exists), resumed in-process with ``fit --ckpt_path RUN_DIR``, and its final
-model.safetensors compared byte for byte with the reference. Prints one line per trial and a tally.
+model.safetensors compared byte for byte with the reference. Then ``test`` (the model must equal
+the cache's current model: else it is stale), ``unlearn --clients [2]`` (byte for byte the
+reference's unlearned model) and ``audit`` (passes, leaves the model alone) must agree on one
+model. Prints one line per trial and a tally: kills, resumable, bit-identical, stale models.
+``scripts/crash_unlearn.py`` kills ``unlearn`` the same way.
 
 Usage::
 
@@ -29,11 +33,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "reliability"))
 
+import torch
+from _agree import Agreement, agree
 from _reliability_helpers import (
     TINY,
     Kill,
     check_consistent,
     cli,
+    copy_run,
     describe,
     error_lines,
     spawn,
@@ -61,6 +68,7 @@ class Trial:
     resume: str = ""
     identical: str = ""
     killed: bool = False
+    agreement: Agreement | None = None
 
 
 def fit_args(root: Path, name: str) -> list[str]:
@@ -68,8 +76,11 @@ def fit_args(root: Path, name: str) -> list[str]:
     return ["fit", *TINY, "--trainer.default_root_dir", str(root), "--trainer.run_name", name]
 
 
-def reference(root: Path) -> tuple[bytes, float]:
-    """Run the uninterrupted fit; return its model bytes and the span from run directory to metrics.json."""
+def reference(root: Path) -> tuple[bytes, float, bytes]:
+    """The uninterrupted fit's model bytes, its span from run directory to metrics.json, its model after unlearn.
+
+    The last is the model bytes after an uninterrupted ``unlearn --clients [2]`` of a copy.
+    """
     run = root / "reference"
     proc = spawn(fit_args(root, "reference"), root / "reference.log")
     appeared = done = None
@@ -82,7 +93,15 @@ def reference(root: Path) -> tuple[bytes, float]:
         time.sleep(0.001)
     if proc.returncode != 0 or appeared is None:
         raise SystemExit(f"the reference fit failed:\n{(root / 'reference.log').read_text(errors='replace')}")
-    return (run / "model.safetensors").read_bytes(), (done or time.monotonic()) - appeared
+    unlearned = copy_run(run, root / "reference_unlearned")
+    code, _, err = cli(["unlearn", "--ckpt_path", str(unlearned), "--clients", UNLEARN])
+    if code != 0:
+        raise SystemExit(f"the reference unlearn failed:\n{err}")
+    span = (done or time.monotonic()) - appeared
+    return (run / "model.safetensors").read_bytes(), span, (unlearned / "model.safetensors").read_bytes()
+
+
+UNLEARN = "[2]"
 
 
 def plan(trial: Trial, rng: random.Random, span: float) -> Kill:
@@ -110,7 +129,7 @@ def inspect(trial: Trial, kill: Kill) -> None:
         trial.consistent = f"NO: {e}"
 
 
-def resume(trial: Trial, model: bytes) -> None:
+def resume(trial: Trial, model: bytes, unlearned: bytes) -> None:
     """``fit --ckpt_path RUN_DIR`` in-process; compare the final model with the reference."""
     code, _, err = cli(
         ["fit", *TINY, "--trainer.default_root_dir", str(trial.run.parent), "--ckpt_path", str(trial.run)]
@@ -125,6 +144,7 @@ def resume(trial: Trial, model: bytes) -> None:
     trial.resume = "ok" if not leftovers else f"ok, leftovers {leftovers}"
     same = (trial.run / "model.safetensors").read_bytes() == model
     trial.identical = "yes" if same else "NO"
+    trial.agreement = agree(trial.run, trial.run / "config.yaml", UNLEARN, unlearned)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,13 +159,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the run directories")
     args = parser.parse_args(argv)
     logging.getLogger("lightning.fabric.utilities.seed").setLevel(logging.WARNING)
+    torch.set_num_threads(1)  # the subprocesses get the same count: float32 bits depend on it
     if args.trials < 1 or args.jobs < 1:
         parser.error("--trials and --jobs must be >= 1")
     root = args.workdir or Path(tempfile.mkdtemp(prefix="crash-trials-"))
     root.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
     t = time.monotonic()
-    model, span = reference(root)
+    model, span, unlearned = reference(root)
     print(f"reference fit: {span:.2f}s from its run directory to metrics.json ({root})", flush=True)
     trials = [Trial(i, "", root / f"trial_{i:03d}") for i in range(args.trials)]
     for start in range(0, len(trials), args.jobs):
@@ -155,10 +176,19 @@ def main(argv: list[str] | None = None) -> int:
         for trial, kill in zip(batch, kills):
             inspect(trial, kill)
     for trial in trials:
-        resume(trial, model)
+        resume(trial, model, unlearned)
+        a = trial.agreement
+        after = (
+            ""
+            if a is None
+            else (
+                f"  then test {a.test} (stale {'YES' if a.stale else 'no'}), unlearn {a.unlearn} "
+                f"({'identical' if a.identical else 'DIFFERS'}), audit {a.audit}"
+            )
+        )
         print(
             f"trial {trial.number:3d}  {trial.mode:32s}  {trial.stage:52s}  "
-            f"consistent {trial.consistent}  resume {trial.resume}  bit-identical {trial.identical}",
+            f"consistent {trial.consistent}  resume {trial.resume}  bit-identical {trial.identical}{after}",
             flush=True,
         )
     print("\ntally")
@@ -172,10 +202,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  bit-identical to the uninterrupted run: {identical}/{resumed} resumed")
     for reason, n in collections.Counter(t.resume for t in trials if not t.resume.startswith("ok")).items():
         print(f"  {n:3d}  resume {reason}")
+    checked = [t.agreement for t in trials if t.agreement is not None]
+    stale = sum(a.stale for a in checked)
+    agreed = sum(a.ok for a in checked)
+    print(
+        f"figures: fit kills {sum(t.killed for t in trials)}/{len(trials)}, resumable {resumed}/{len(trials)}, "
+        f"bit-identical {identical}/{len(trials)}, stale models {stale}, test+unlearn+audit agree "
+        f"{agreed}/{len(checked)}"
+    )
     print(f"  wall time {time.monotonic() - t:.0f}s")
     if not args.keep and args.workdir is None:
         shutil.rmtree(root, ignore_errors=True)
-    bad = consistent < len(trials) or any(t.identical == "NO" for t in trials)
+    bad = (
+        consistent < len(trials) or any(t.identical == "NO" for t in trials) or stale or agreed < len(checked)
+    )
     return 1 if bad else 0
 
 

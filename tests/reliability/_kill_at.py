@@ -10,7 +10,8 @@ Conditions (``RUN_DIR`` relative):
 * ``file:REL``: ``REL`` exists;
 * ``tmp:PREFIX``: ``cache/`` holds a ``PREFIX...tmp-PID`` entry (a version being written);
 * ``current:PREFIX``: ``cache/CURRENT`` names a version starting with ``PREFIX``;
-* ``journal:EVENT``: ``unlearning/journal.jsonl`` has an entry with that event.
+* ``journal:EVENT``: ``unlearning/journal.jsonl`` has an entry with that event;
+* ``changed:REL``: ``REL`` was replaced since the watcher started (another inode or mtime).
 
 Prints ``killed`` or ``exited`` (the process ended first) or ``timeout``.
 """
@@ -24,10 +25,24 @@ import signal
 import time
 from pathlib import Path
 
+_FIRST: dict[str, tuple[int, int] | None] = {}
+
+
+def _stat(path: Path) -> tuple[int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns
+
 
 def met(run: Path, condition: str) -> bool:
     """Whether ``condition`` holds for the run directory ``run`` now."""
     kind, _, arg = condition.partition(":")
+    if kind == "changed":
+        now = _stat(run / arg)
+        first = _FIRST.setdefault(arg, now)
+        return now != first
     try:
         if kind == "dir":
             return run.is_dir()
