@@ -31,6 +31,19 @@ def tiny_data(
     )
 
 
+def small_synthetic() -> SyntheticDataModule:
+    """The callback and logger tests' data: 8 Dirichlet(0.5) clients of 6 features, 112 samples."""
+    return SyntheticDataModule(
+        num_clients=8,
+        partition="dirichlet",
+        rho=0.5,
+        min_client_size=4,
+        num_samples=112,
+        num_test=40,
+        shape=(6,),
+    )
+
+
 def tiny_model(cls: type = MLP) -> torch.nn.Module:
     """A seeded model: an MLP with momentum, or ``cls(lr=0.05)`` (CNNs, ResNets)."""
     torch.manual_seed(0)

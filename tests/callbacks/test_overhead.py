@@ -11,11 +11,11 @@ import csv
 from types import SimpleNamespace
 
 import pytest
+from _tiny import small_synthetic
 from lightning.fabric.loggers import CSVLogger
 
 from fedshard_lightning import FederatedTrainer
 from fedshard_lightning.callbacks import MetricsLogger, ProgressBar
-from fedshard_lightning.data import SyntheticDataModule
 from fedshard_lightning.engine.evaluate import evaluate
 from fedshard_lightning.loop import sample_weighted_average
 from fedshard_lightning.models import MLP
@@ -24,15 +24,7 @@ from fedshard_lightning.unlearning import FedAvg, FedShard
 
 
 def _fit(root, algorithm, **kw):
-    data = SyntheticDataModule(
-        num_clients=8,
-        partition="dirichlet",
-        rho=0.5,
-        min_client_size=4,
-        num_samples=112,
-        num_test=40,
-        shape=(6,),
-    )
+    data = small_synthetic()
     trainer = FederatedTrainer(
         algorithm=algorithm, default_root_dir=str(root), vectorize="always", enable_progress_bar=False, **kw
     )

@@ -4,24 +4,17 @@ from __future__ import annotations
 
 import re
 
+from _tiny import small_synthetic
+
 from fedshard_lightning import FederatedTrainer
 from fedshard_lightning.callbacks import ProgressBar
 from fedshard_lightning.callbacks.progress import format_seconds
-from fedshard_lightning.data import SyntheticDataModule
 from fedshard_lightning.models import MLP
 from fedshard_lightning.unlearning import FedShard
 
 
 def _objects(root, progress: bool):
-    data = SyntheticDataModule(
-        num_clients=8,
-        partition="dirichlet",
-        rho=0.5,
-        min_client_size=4,
-        num_samples=112,
-        num_test=40,
-        shape=(6,),
-    )
+    data = small_synthetic()
     trainer = FederatedTrainer(
         algorithm=FedShard(rounds="fixed", fixed_rounds=2, batch_size=4),
         default_root_dir=str(root),
