@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from torch import Tensor, nn
+from torch import nn
 
-from fedshard_lightning.module import FederatedModule
+from fedshard_lightning.models.image import ImageClassifier
 
 __all__ = ["FedAvgCNN"]
 
 
-class FedAvgCNN(FederatedModule):
+class FedAvgCNN(ImageClassifier):
     """conv5x5(32) -> maxpool 2 -> conv5x5(64) -> maxpool 2 -> fc(512) -> fc(classes), ReLU.
 
     With "same" padding, as in the FedAvg paper: 1,663,370 parameters for 1x28x28 inputs and 10
@@ -25,18 +25,12 @@ class FedAvgCNN(FederatedModule):
         super().__init__(**kwargs)
         self.channels = tuple(int(c) for c in channels)
         self.hidden = int(hidden)
-        self.features: nn.Module | None = None
-        self.classifier: nn.Module | None = None
-        if self.input_shape is not None and self.num_classes is not None:
-            self.configure_model()
+        self.build_when_shaped()
 
-    def configure_model(self) -> None:
-        """Build the layers once shapes are known."""
-        if self.features is not None:
-            return
-        c_in, h, w = self.input_shape
+    def build_layers(self, c_in: int, h: int, w: int) -> tuple[nn.Module, nn.Module]:
+        """Two 5x5 convolutions with pooling, then two dense layers."""
         c1, c2 = self.channels
-        self.features = nn.Sequential(
+        features = nn.Sequential(
             nn.Conv2d(c_in, c1, 5, padding=2),
             nn.ReLU(),
             nn.MaxPool2d(2),
@@ -46,10 +40,7 @@ class FedAvgCNN(FederatedModule):
             nn.Flatten(),
         )
         flat = c2 * (h // 4) * (w // 4)
-        self.classifier = nn.Sequential(
+        classifier = nn.Sequential(
             nn.Linear(flat, self.hidden), nn.ReLU(), nn.Linear(self.hidden, self.num_classes)
         )
-
-    def forward(self, x: Tensor) -> Tensor:
-        """Logits [b, classes]."""
-        return self.classifier(self.features(x))
+        return features, classifier

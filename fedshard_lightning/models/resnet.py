@@ -17,7 +17,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from fedshard_lightning.errors import ConfigError
-from fedshard_lightning.module import FederatedModule
+from fedshard_lightning.models.image import ImageClassifier, kaiming_convs
 
 __all__ = ["ResNet18BN", "ResNetGN"]
 
@@ -43,7 +43,7 @@ class _BasicBlock(nn.Module):
         return (out + self.shortcut(x)).relu()
 
 
-class ResNetGN(FederatedModule):
+class ResNetGN(ImageClassifier):
     """CIFAR ResNet-``depth`` of He et al. with GroupNorm: vmap-safe, no running statistics, no dropout.
 
     ``depth = 6n + 2`` (8, 14, 20, 32, 44, 56, 110, ...), ``n`` basic blocks per stage; the stages
@@ -86,24 +86,14 @@ class ResNetGN(FederatedModule):
             )
         self.depth, self.width, self.groups = depth, width, groups
         self.zero_init_residual = bool(zero_init_residual)
-        self.features: nn.Module | None = None
-        self.classifier: nn.Module | None = None
-        if self.input_shape is not None and self.num_classes is not None:
-            self.configure_model()
+        self.build_when_shaped()
 
-    def configure_model(self) -> None:
-        """Build the layers once shapes are known."""
-        if self.features is not None:
-            return
-        if len(self.input_shape) != 3:
-            raise ConfigError(
-                f"ResNetGN needs image inputs [C, H, W], got samples of shape {list(self.input_shape)}; "
-                "use MLP for vector data"
-            )
+    def build_layers(self, c_in: int, h: int, w_in: int) -> tuple[nn.Module, nn.Module]:
+        """Stem, residual stages, global average pooling; one dense layer."""
         blocks_per_stage = (self.depth - 2) // 6
         w, g = self.width, self.groups
         layers: list[nn.Module] = [
-            nn.Conv2d(self.input_shape[0], w, 3, padding=1, bias=False),
+            nn.Conv2d(c_in, w, 3, padding=1, bias=False),
             nn.GroupNorm(g, w),
             nn.ReLU(),
         ]
@@ -114,19 +104,13 @@ class ResNetGN(FederatedModule):
                 layers.append(_BasicBlock(c_in, c_out, stride, g))
                 c_in = c_out
         layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten()]
-        self.features = nn.Sequential(*layers)
-        self.classifier = nn.Linear(c_in, self.num_classes)
-        for m in self.features.modules():
-            if isinstance(m, nn.Conv2d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+        features, classifier = nn.Sequential(*layers), nn.Linear(c_in, self.num_classes)
+        kaiming_convs(features)  # after the classifier: the order of the random draws is kept
         if self.zero_init_residual:
-            for m in self.features.modules():
+            for m in features.modules():
                 if isinstance(m, _BasicBlock):
                     nn.init.zeros_(m.norm2.weight)
-
-    def forward(self, x: Tensor) -> Tensor:
-        """Logits [b, classes]."""
-        return self.classifier(self.features(x))
+        return features, classifier
 
 
 class _BasicBlockBN(nn.Module):
@@ -150,7 +134,7 @@ class _BasicBlockBN(nn.Module):
         return (out + self.shortcut(x)).relu()
 
 
-class ResNet18BN(FederatedModule):
+class ResNet18BN(ImageClassifier):
     """ResNet-18 with BatchNorm, CIFAR variant: the baseline users compare federated models against.
 
     He et al. (CVPR 2016) ImageNet ResNet-18 (four stages of two basic blocks, ``width``,
@@ -170,23 +154,13 @@ class ResNet18BN(FederatedModule):
         if isinstance(width, bool) or not isinstance(width, int) or width < 1:
             raise ConfigError(f"model.width={width!r}: must be a positive integer")
         self.width = width
-        self.features: nn.Module | None = None
-        self.classifier: nn.Module | None = None
-        if self.input_shape is not None and self.num_classes is not None:
-            self.configure_model()
+        self.build_when_shaped()
 
-    def configure_model(self) -> None:
-        """Build the layers once shapes are known."""
-        if self.features is not None:
-            return
-        if len(self.input_shape) != 3:
-            raise ConfigError(
-                f"ResNet18BN needs image inputs [C, H, W], got samples of shape {list(self.input_shape)}; "
-                "use MLP for vector data"
-            )
+    def build_layers(self, c_in: int, h: int, w_in: int) -> tuple[nn.Module, nn.Module]:
+        """Stem, residual stages, global average pooling; one dense layer."""
         w = self.width
         layers: list[nn.Module] = [
-            nn.Conv2d(self.input_shape[0], w, 3, padding=1, bias=False),
+            nn.Conv2d(c_in, w, 3, padding=1, bias=False),
             nn.BatchNorm2d(w),
             nn.ReLU(),
         ]
@@ -196,12 +170,6 @@ class ResNet18BN(FederatedModule):
                 layers.append(_BasicBlockBN(c_in, c_out, 2 if stage > 0 and b == 0 else 1))
                 c_in = c_out
         layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten()]
-        self.features = nn.Sequential(*layers)
-        self.classifier = nn.Linear(c_in, self.num_classes)
-        for m in self.features.modules():
-            if isinstance(m, nn.Conv2d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-
-    def forward(self, x: Tensor) -> Tensor:
-        """Logits [b, classes]."""
-        return self.classifier(self.features(x))
+        features, classifier = nn.Sequential(*layers), nn.Linear(c_in, self.num_classes)
+        kaiming_convs(features)
+        return features, classifier
