@@ -367,7 +367,6 @@ class FederatedTrainer:
             ckpt_path: Run directory created by fit (the CLI reads its config.yaml first).
             clients: Client ids to unlearn, e.g. ``[3, 17]``.
         """
-        self.enable_progress_bar = False
         with run_lock(existing_run_dir(ckpt_path, "unlearn")):
             self._load_run(model, datamodule, ckpt_path, "unlearn")
             return apply_request(self, clients)
@@ -396,9 +395,10 @@ class FederatedTrainer:
             raise ConfigError(
                 f"tolerance={tolerance!r}: must be a finite number >= 0 (0 asks for bit-exactness)"
             )
-        self.enable_progress_bar = False
         self._load_run(model, datamodule, ckpt_path, "audit")
+        self.fabric.call("on_audit_start", self)
         result = self.algorithm.audit(float(tolerance))
+        self.fabric.call("on_audit_end", self, result=result)
         if not result["passed"]:
             cause = (
                 "; ".join(self.numerics_notes)
