@@ -53,7 +53,9 @@ def _test_metrics(trainer: Any, params: dict[str, Tensor], weights: Path) -> dic
 
 def run_audit(trainer: Any, tolerance: float) -> dict[str, Any]:
     """``audit`` once the run is loaded: print the verdict; a failure names the likely cause and exits 1."""
+    trainer.fabric.call("on_audit_start", trainer)
     result = trainer.algorithm.audit(tolerance)
+    trainer.fabric.call("on_audit_end", trainer, result=result)
     if not result["passed"]:
         cause = (
             "; ".join(trainer.numerics_notes)

@@ -123,6 +123,11 @@ class TrainerEvents(LoopEvents):
         self.checkpoint(f"stage-{stage}")
         self.trainer.fabric.call("on_stage_end", self.trainer, stage=stage, metrics=metrics or {})
 
+    def groups_trained(self, stage: int, groups: Sequence[Group], client_steps: int) -> None:
+        """Fire ``on_groups_trained`` (progress of unlearn and audit)."""
+        t = self.trainer
+        t.fabric.call("on_groups_trained", t, stage=stage, groups=groups, client_steps=client_steps)
+
     def checkpoint(self, label: str, complete: bool | None = None) -> None:
         """Commit the algorithm's state now (complete: as the algorithm says, unless told)."""
         t = self.trainer

@@ -81,7 +81,8 @@ def reproduce(run_dir: Path, trainer: Any) -> list[str]:
         "kernel",
         "invariant_block",
     ):
-        if key in fit_env and key in now and fit_env[key] != now[key]:
+        # None: not decided yet in this process (the kernel is chosen at the first stacked call)
+        if key in fit_env and now.get(key) is not None and fit_env[key] != now[key]:
             notes.append(f"{key}: fit ran with {fit_env[key]!r}, this process has {now[key]!r}")
     return notes
 

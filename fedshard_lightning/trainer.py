@@ -304,7 +304,6 @@ class FederatedTrainer:
             ckpt_path: Run directory created by fit (the CLI reads its config.yaml first).
             clients: Client ids to unlearn, e.g. ``[3, 17]``.
         """
-        self.enable_progress_bar = False
         with run_lock(existing_run_dir(ckpt_path, "unlearn")):
             self._load_run(model, datamodule, ckpt_path, "unlearn")
             return apply_request(self, clients)

@@ -16,7 +16,9 @@ Hooks, in the order they fire during ``fit``:
 * ``on_fit_end(trainer, metrics)``
 
 and ``on_test_end(trainer, metrics)``, ``on_unlearn_start(trainer, clients)``,
-``on_unlearn_end(trainer, report)``.
+``on_unlearn_end(trainer, report)``, ``on_audit_start(trainer)``, ``on_audit_end(trainer, result)``;
+``on_groups_trained(trainer, stage, groups, client_steps)`` after every engine call (fit,
+unlearn, audit), for progress.
 """
 
 from __future__ import annotations
@@ -55,3 +57,12 @@ class FederatedCallback:
 
     def on_unlearn_end(self, trainer: Any, report: dict[str, Any]) -> None:
         """An unlearning request finished and was committed."""
+
+    def on_audit_start(self, trainer: Any) -> None:
+        """An audit's replay is about to run."""
+
+    def on_audit_end(self, trainer: Any, result: dict[str, Any]) -> None:
+        """An audit finished (``result["passed"]``)."""
+
+    def on_groups_trained(self, trainer: Any, stage: int, groups: Any, client_steps: int) -> None:
+        """An engine call trained ``groups`` (in fit, unlearn or audit) with ``client_steps``."""

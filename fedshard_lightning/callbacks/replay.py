@@ -59,10 +59,11 @@ from torch import Tensor
 
 from fedshard_lightning.callbacks.base import FederatedCallback
 from fedshard_lightning.callbacks.plots import plot_cost_distribution, plot_round_accuracy
+from fedshard_lightning.callbacks.task_progress import TaskProgress
 from fedshard_lightning.errors import ConfigError
 from fedshard_lightning.metrics.client_alpha import client_alphas, per_client_accuracy
 from fedshard_lightning.metrics.fairness import efficiency_fairness
-from fedshard_lightning.metrics.fairness_report import fairness_report
+from fedshard_lightning.metrics.fairness_report import cost_stats, fairness_report, json_safe
 from fedshard_lightning.metrics.membership import MembershipAudit
 
 __all__ = [
@@ -87,28 +88,6 @@ CLIENT_COLUMNS = (
     "measured",
 )
 """Columns of ``fairness/clients.csv`` (and of the W&B table)."""
-
-
-def _stats(values: Sequence[float]) -> dict[str, float | None]:
-    vals = [float(v) for v in values]
-    if not vals:
-        return {"mean": None, "var": None, "std": None, "min": None, "max": None}
-    mean = sum(vals) / len(vals)
-    var = sum((v - mean) ** 2 for v in vals) / len(vals)
-    return {"mean": mean, "var": var, "std": math.sqrt(var), "min": min(vals), "max": max(vals)}
-
-
-def _clean(value: Any) -> Any:
-    """JSON-safe: NaN/inf -> None, tensors and numpy scalars -> Python numbers."""
-    if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_clean(v) for v in value]
-    if isinstance(value, (Tensor, np.generic)):
-        value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
 
 
 @dataclass
@@ -265,9 +244,9 @@ class UnlearningReplay(FederatedCallback):
                 }
             )
 
-        st_steps = _stats([z_steps[c] for c in chosen] if z_steps else list(z_pred.values()))
-        st_pred = _stats(list(z_pred.values()))
-        st_sec = _stats(list(z_sec.values()))
+        st_steps = cost_stats([z_steps[c] for c in chosen] if z_steps else list(z_pred.values()))
+        st_pred = cost_stats(list(z_pred.values()))
+        st_sec = cost_stats(list(z_sec.values()))
         mp_values = list(mp_request.values())
         leaving_drop = [r["delta_acc"] for r in self.rows if r["delta_acc"] is not None]
         summary: dict[str, Any] = {
@@ -300,9 +279,9 @@ class UnlearningReplay(FederatedCallback):
             "alpha_abs_mean": float(pop_alpha.abs().mean()),
             "acc_before_mean": float(torch.nan_to_num(acc_before[population]).mean()),
             "delta_acc_leaving_mean": (sum(leaving_drop) / len(leaving_drop)) if leaving_drop else None,
-            "delta_acc_remaining_mean": _stats(m.drop_remaining)["mean"],
+            "delta_acc_remaining_mean": cost_stats(m.drop_remaining)["mean"],
             "test_accuracy": (metrics or {}).get("test_accuracy"),
-            "test_accuracy_after_mean": _stats(m.test_after)["mean"],
+            "test_accuracy_after_mean": cost_stats(m.test_after)["mean"],
             "probe_seconds": probe_seconds,
             "accuracy_split": split,
             "eps_alpha": self.eps_alpha,
@@ -310,18 +289,25 @@ class UnlearningReplay(FederatedCallback):
             "eps1": self.eps1,
         }
         summary["replay_seconds"] = time.perf_counter() - t_start
-        self.summary = _clean(summary)
+        self.summary = json_safe(summary)
         self._write(trainer)
         return self.summary
 
     def _measure(
         self, trainer: Any, chosen: list[int], acc_before: Tensor, alphas: Tensor, audit: Any, split: str
     ) -> _Measured:
-        """Unlearn every chosen client alone with the pure ``what_if`` (each from the fitted state)."""
+        """Unlearn every chosen client alone with the pure ``what_if`` (each from the fitted state).
+
+        Progress counts client-steps against the predicted costs: a line per request off a terminal.
+        """
         alg, module, dm = trainer.algorithm, trainer.module, trainer.datamodule
         out, fitted = _Measured(), alg.state_dict()
-        for c in chosen:
+        shown = trainer.is_global_zero and getattr(trainer, "enable_progress_bar", False)
+        progress = TaskProgress("replay", sum(alg.predict_cost([c]) for c in chosen)) if shown else None
+        for i, c in enumerate(chosen, start=1):
             _, res = alg.what_if(fitted, [c])
+            if progress is not None:
+                progress.update(res.client_steps, f"request {i}/{len(chosen)} (client {c})")
             out.z_steps[c], out.z_sec[c] = int(res.client_steps), float(res.seconds)
             after = per_client_accuracy(module, res.params, dm, split)
             out.acc_after[c] = float(after[c])
@@ -332,6 +318,8 @@ class UnlearningReplay(FederatedCallback):
             if audit is not None:
                 out.after_logits.append(audit.logits(res.params, [c]))
             out.test_after.append(trainer.evaluate(res.params)[0])
+        if progress is not None:
+            progress.close()
         return out
 
     def _me(self, costs: Sequence[float], alphas: Tensor) -> float:

@@ -33,6 +33,7 @@ from typing import Any, Literal
 import torch
 
 from fedshard_lightning.callbacks.replay import UnlearningReplay
+from fedshard_lightning.callbacks.task_progress import TaskProgress
 from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.errors import ConfigError
 from fedshard_lightning.experiments.budget import match_budget
@@ -151,6 +152,7 @@ def compare(
     rows: list[dict[str, Any]] = []
     dist_steps: dict[str, list[float]] = {n: [] for n in names}
     dist_seconds: dict[str, list[float]] = {n: [] for n in names}
+    progress = TaskProgress("compare", None, items=len(seeds) * len(algorithms))
     for s in seeds:
         seed_rows = _run_seed(
             s,
@@ -166,11 +168,13 @@ def compare(
             accelerator,
             vectorize,
             out,
+            progress,
         )
         for r in seed_rows:
             dist_steps[r["method"]].extend(r.pop("_z_steps"))
             dist_seconds[r["method"]].extend(r.pop("_z_seconds"))
         rows.extend(seed_rows)
+    progress.close()
     agg = aggregate(rows)
     meta = {
         "seeds": seeds,
@@ -201,8 +205,12 @@ def _run_seed(
     accelerator: str,
     vectorize: str,
     out: Path,
+    progress: TaskProgress,
 ) -> list[dict[str, Any]]:
-    """Fit and replay every method for one seed; the first method fixes the budget and the alphas."""
+    """Fit and replay every method for one seed; the first method fixes the budget and the alphas.
+
+    ``progress`` gets one update per method (a plain line off a terminal): fit and replay done.
+    """
     dm = copy.deepcopy(data)
     dm.seed = seed
     rows: list[dict[str, Any]] = []
@@ -266,6 +274,13 @@ def _run_seed(
         if alg.name == "fedavg":
             fa_cost = row["client_steps"]
         rows.append(row)
+        spent = metrics["client_steps"] + sum(r["Z_steps"] for r in replay.rows if r["measured"])
+        progress.update(
+            spent,
+            f"method {progress.items_done + 1}/{progress.items} {alg.name} (seed {seed}) done · "
+            f"test_accuracy {metrics['test_accuracy']:.4f}",
+            item=True,
+        )
     for row in rows:
         row["speedup_steps"] = (fa_cost / row["client_steps"]) if fa_cost and row["client_steps"] else None
     return rows

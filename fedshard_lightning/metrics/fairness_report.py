@@ -14,12 +14,13 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from fedshard_lightning.metrics.fairness import performance_fairness
 
-__all__ = ["drop_stats", "fairness_report"]
+__all__ = ["cost_stats", "drop_stats", "fairness_report", "json_safe"]
 
 
 def drop_stats(values: Sequence[float]) -> dict[str, float | None]:
@@ -72,3 +73,26 @@ def fairness_report(
         "remaining": drop_stats([float(delta[c]) for c in remaining]),
         "remaining_drops": {c: float(delta[c]) for c in remaining},
     }
+
+
+def cost_stats(values: Sequence[float]) -> dict[str, float | None]:
+    """Mean, population variance and standard deviation, min and max (``None`` when empty)."""
+    vals = [float(v) for v in values]
+    if not vals:
+        return {"mean": None, "var": None, "std": None, "min": None, "max": None}
+    mean = sum(vals) / len(vals)
+    var = sum((v - mean) ** 2 for v in vals) / len(vals)
+    return {"mean": mean, "var": var, "std": math.sqrt(var), "min": min(vals), "max": max(vals)}
+
+
+def json_safe(value: Any) -> Any:
+    """JSON-safe: NaN/inf -> None, tensors and numpy scalars -> Python numbers."""
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if isinstance(value, (Tensor, np.generic)):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value

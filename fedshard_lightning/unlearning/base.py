@@ -200,16 +200,20 @@ class Algorithm(RecordsInitArgs):
         report: bool = True,
     ) -> TrainResult:
         """Train groups with the engine; every round is reported to the events when ``report``."""
-        if self.ctx is not None and self.ctx.world_size > 1 and len(groups) > 1:
-            return self._train_distributed(init, groups, stage, on_round_end, keep_client_params, report)
         events = self.events
+        if self.ctx is not None and self.ctx.world_size > 1 and len(groups) > 1:
+            res = self._train_distributed(init, groups, stage, on_round_end, keep_client_params, report)
+            events.groups_trained(stage, groups, res.client_steps)
+            return res
 
         def hook(info: RoundInfo, state: dict[str, Tensor]) -> Sequence[bool] | None:
             if report:
                 events.round_end(info, state, groups)
             return on_round_end(info, state) if on_round_end is not None else None
 
-        return self.engine.train_groups(init, groups, stage, hook, keep_client_params)
+        res = self.engine.train_groups(init, groups, stage, hook, keep_client_params)
+        events.groups_trained(stage, groups, res.client_steps)
+        return res
 
     def _train_distributed(
         self,

@@ -42,6 +42,9 @@ class LoopEvents:
     def stage_end(self, stage: int, metrics: dict[str, float] | None = None) -> None:
         """A stage is complete: the state is consistent and worth committing."""
 
+    def groups_trained(self, stage: int, groups: Sequence[Group], client_steps: int) -> None:
+        """An engine call finished (in fit, unlearn and audit alike): progress of the work."""
+
     def checkpoint(self, label: str) -> None:
         """Commit the state now (e.g. to free memory held for the next commit)."""
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from _tiny import small_synthetic
 
 from fedshard_lightning import FederatedTrainer
@@ -58,3 +59,79 @@ def test_eta_is_none_before_anything_ran_and_counts_remaining_stages():
 
 def test_format_seconds():
     assert [format_seconds(x) for x in (0.4, 42, 185, 7620)] == ["0s", "42s", "3m05s", "2h07m"]
+
+
+def _stage_lines(out, task):
+    pattern = (
+        rf"{task}: stage (\d)/3 · (\d) shard\(s\), (\d) clients · (\d+)/(\d+) client-steps · "
+        r"\d+ client-steps/s · elapsed \S+ · ETA (\S+)"
+    )
+    lines = [x for x in out.splitlines() if x.startswith(f"{task}: stage")]
+    return lines, [re.fullmatch(pattern, x) for x in lines]
+
+
+def test_unlearn_and_audit_print_one_line_per_stage_off_a_terminal(run_root, capsys):
+    trainer, model, data = _objects(run_root, progress=False)
+    trainer.fit(model, data)
+    run = str(trainer.run_dir)
+    capsys.readouterr()
+
+    trainer, model, data = _objects(run_root, progress=True)
+    report = trainer.unlearn(model, data, ckpt_path=run, clients=[1])
+    lines, found = _stage_lines(capsys.readouterr().out, "unlearn")
+    assert lines and all(found), lines
+    stages = [int(m.group(1)) for m in found]
+    assert stages == sorted(stages) and stages[-1] == 3, "one line per retrained stage, bottom-up"
+    done = [int(m.group(4)) for m in found]
+    assert done[-1] == report["client_steps"] and {int(m.group(5)) for m in found} == {
+        report["predicted_client_steps"]
+    }
+    assert found[-1].group(6) == "0s"
+
+    trainer, model, data = _objects(run_root, progress=True)
+    result = trainer.audit(model, data, ckpt_path=run)
+    lines, found = _stage_lines(capsys.readouterr().out, "audit")
+    assert [int(m.group(1)) for m in found] == [1, 2, 3], lines
+    assert [int(m.group(2)) for m in found] == [4, 2, 1]  # every shard is replayed
+    assert result["passed"] and int(found[-1].group(4)) == int(found[-1].group(5))
+
+    trainer, model, data = _objects(run_root, progress=False)
+    trainer.unlearn(model, data, ckpt_path=run, clients=[2])
+    assert "unlearn: stage" not in capsys.readouterr().out, "enable_progress_bar false: quiet"
+
+
+def test_replay_prints_one_line_per_request_and_fit_total_includes_it(run_root, capsys):
+    from fedshard_lightning.callbacks import UnlearningReplay
+
+    trainer, model, data = _objects(run_root, progress=True)
+    trainer.user_callbacks = [UnlearningReplay(mode="measured", clients=[0, 3, 5], mia=False, plots=False)]
+    trainer.fit(model, data)
+    out = capsys.readouterr().out
+    lines = [x for x in out.splitlines() if x.startswith("replay: ")]
+    pattern = r"replay: request (\d)/3 \(client (\d)\) · (\d+)/(\d+) client-steps · .* ETA (\S+)"
+    found = [re.fullmatch(pattern, x) for x in lines]
+    assert len(lines) == 3 and all(found), lines
+    assert [m.group(2) for m in found] == ["0", "3", "5"]
+    assert found[-1].group(3) == found[-1].group(4), "the replay's predicted costs were its costs"
+    # The replay runs inside fit's on_fit_end: the printed total includes it, fit's seconds do not.
+    done = re.search(r"seconds=([\d.]+) \(total ([\d.]+) with callbacks", out)
+    replay_seconds = trainer.user_callbacks[0].summary["replay_seconds"]
+    assert float(done.group(2)) >= float(done.group(1)) + replay_seconds - 0.1
+
+
+def test_task_progress_eta_and_throttled_plain_lines(capsys):
+    from fedshard_lightning.callbacks import TaskProgress
+
+    p = TaskProgress("unlearn", 100, live=False, plain=True)
+    assert p.eta() is None
+    p.t0 -= 10.0  # 10 s spent
+    p.update(25, "round 1/8", force=False)
+    assert p.eta() == pytest.approx(30.0, rel=0.05)  # 75 steps left at 2.5 steps/s
+    p.update(2, "round 2/8", force=False)  # same tenth, well under 30 s: no line
+    p.update(10, "round 3/8", force=False)
+    lines = capsys.readouterr().out.splitlines()
+    assert [x.split(" · ")[0] for x in lines] == ["unlearn: round 1/8", "unlearn: round 3/8"]
+    q = TaskProgress("compare", None, live=False, plain=True, items=4)
+    q.t0 -= 8.0
+    q.update(50, "method 1/4", item=True)
+    assert q.eta() == pytest.approx(24.0, rel=0.05)  # 3 methods left at 8 s each

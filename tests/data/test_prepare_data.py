@@ -150,3 +150,21 @@ def test_setup_alone_downloads_when_download_is_set(server, tmp_path, monkeypatc
     dm = cls(data_dir=str(tmp_path), download=True, num_clients=2, partition="iid", **kwargs)
     dm.setup()  # a Fabric loop may skip prepare_data
     assert len(dm.train_y) > 0 and len(server.requests) == len(resources)
+
+
+def test_hand_placed_archive_failing_verification_is_kept_as_bad(server, tmp_path, monkeypatch, caplog):
+    archive, _ = cifar_tar_bytes("cifar10", 8)
+    name = "cifar-10-python.tar.gz"
+    monkeypatch.setattr(CIFAR10DataModule, "resources", (server.remote(name, archive),))
+    root = tmp_path / "cifar10"
+    root.mkdir()
+    (root / name).write_bytes(archive[:-100])  # a truncated copy the user downloaded by hand
+    dm = CIFAR10DataModule(data_dir=str(tmp_path), download=True, num_clients=2, partition="iid")
+    with caplog.at_level("WARNING", logger="fedshard_lightning.data.download"):
+        dm.prepare_data()
+    assert (root / f"{name}.bad").read_bytes() == archive[:-100], "the user's file is kept, renamed"
+    assert (root / name).read_bytes() == archive
+    [line] = [r.getMessage() for r in caplog.records]
+    assert f"kept as {name}.bad" in line and "\n" not in line
+    dm.setup()
+    assert tuple(dm.train_x.shape) == (40, 3, 32, 32)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 
 import pytest
 
@@ -21,7 +22,7 @@ def _setting():
     return MLP(hidden=(8,), lr=0.1), data
 
 
-def test_compare_two_methods_two_seeds_equal_budget(tmp_path):
+def test_compare_two_methods_two_seeds_equal_budget(tmp_path, capsys):
     model, data = _setting()
     res = compare(
         output_dir=str(tmp_path),
@@ -62,6 +63,18 @@ def test_compare_two_methods_two_seeds_equal_budget(tmp_path):
     assert r"\pm" in (tmp_path / "compare.tex").read_text()
     assert (tmp_path / "cost_distribution.png").stat().st_size > 0
     assert json.loads((tmp_path / "compare.json").read_text())["clients"] == [1, 6]
+    # Off a terminal, one progress line per method and seed, with an ETA.
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("compare: ")]
+    pattern = r"compare: method (\d)/4 (\w+) \(seed (\d)\) done · test_accuracy [\d.]+ · \d+ client-steps · .* · ETA (\S+)"
+    found = [re.fullmatch(pattern, x) for x in lines]
+    assert len(lines) == 4 and all(found), lines
+    assert [(m.group(1), m.group(2), m.group(3)) for m in found] == [
+        ("1", "fedshard", "0"),
+        ("2", "fedavg", "0"),
+        ("3", "fedshard", "1"),
+        ("4", "fedavg", "1"),
+    ]
+    assert found[-1].group(4) == "0s"
 
 
 def test_compare_refuses_unequal_local_training(tmp_path):

@@ -20,22 +20,22 @@ def test_fedavg_cnn_has_the_papers_parameter_count():
     assert _count(FedAvgCNN(input_shape=(1, 28, 28), num_classes=10)) == expected
 
 
+def _conv(cin: int, cout: int, k: int) -> int:
+    return cin * cout * k * k  # no bias: a normalisation follows
+
+
+def _block(cin: int, cout: int) -> int:
+    """He et al.'s basic block: two 3x3 convolutions with GroupNorm, a 1x1 shortcut when the shape changes."""
+    main = _conv(cin, cout, 3) + 2 * cout + _conv(cout, cout, 3) + 2 * cout
+    return main + (_conv(cin, cout, 1) + 2 * cout if cin != cout else 0)
+
+
 def test_resnet_gn_depth_8_parameter_count():
-    w, g = 8, 2
-    conv = lambda cin, cout, k: cin * cout * k * k  # noqa: E731
-    norm = lambda c: 2 * c  # noqa: E731
-    stem = conv(3, w, 3) + norm(w)
-    block = lambda cin, cout: (
-        conv(cin, cout, 3)
-        + norm(cout)
-        + conv(cout, cout, 3)
-        + norm(cout)
-        + (  # noqa: E731
-            conv(cin, cout, 1) + norm(cout) if cin != cout else 0
-        )
+    w = 8
+    expected = (
+        _conv(3, w, 3) + 2 * w + _block(w, w) + _block(w, 2 * w) + _block(2 * w, 4 * w) + (4 * w * 10 + 10)
     )
-    expected = stem + block(w, w) + block(w, 2 * w) + block(2 * w, 4 * w) + (4 * w * 10 + 10)
-    assert _count(ResNetGN(depth=8, width=w, groups=g, input_shape=(3, 32, 32), num_classes=10)) == expected
+    assert _count(ResNetGN(depth=8, width=w, groups=2, input_shape=(3, 32, 32), num_classes=10)) == expected
 
 
 @pytest.mark.parametrize("cls", [FedAvgCNN, ResNetGN, ResNet18BN])

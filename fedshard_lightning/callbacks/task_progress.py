@@ -1,0 +1,170 @@
+"""Progress of the work after a fit: ``unlearn``, ``audit``, the fairness replay and ``compare``.
+
+Each is measured in client-steps, whose total is known (or estimated) before the work starts: a
+request's predicted cost, the fit's client-steps for an audit's replay, the predicted costs of
+the replayed requests. On a terminal a rich line is updated (``stage k/P · shards · client-steps/s
+· ETA``); when stdout is not a terminal (SLURM, nohup, CI) one plain line is printed per stage of
+the retraining, per replayed request and per compared method, so a log file shows how far the
+work got and how long it still needs. Per-round methods (FATS, FedEraser, FedRecover) print at
+most one line per tenth of the work, or every 30 seconds.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from fedshard_lightning.callbacks.base import FederatedCallback
+from fedshard_lightning.callbacks.progress import format_seconds
+
+__all__ = ["TaskProgress", "TaskProgressCallback"]
+
+#: Seconds between two plain lines of a task that reports many small pieces of work.
+PLAIN_EVERY_S = 30.0
+
+
+class TaskProgress:
+    """One task's progress: a live line on a terminal, plain lines in a log.
+
+    Args:
+        task: Prefix of every line (``unlearn``, ``audit``, ``replay``, ``compare``).
+        total: Client-steps the task is expected to take (None: unknown).
+        items: Number of pieces (compare's methods) for an ETA when the client-steps are unknown.
+        live: Show the rich live line (default: when stderr is a terminal).
+        plain: Print plain lines (default: when stdout is not a terminal).
+    """
+
+    def __init__(
+        self,
+        task: str,
+        total: float | None,
+        live: bool | None = None,
+        plain: bool | None = None,
+        items: int | None = None,
+    ) -> None:
+        self.task = task
+        self.total = float(total) if total else None
+        self.items, self.items_done = items, 0
+        self.done = 0.0
+        self.t0 = self._last_line = time.perf_counter()
+        self._decile = -1
+        self.live = sys.stderr.isatty() if live is None else live
+        self.plain = (not sys.stdout.isatty()) if plain is None else plain
+        self._progress: Any = None
+        if self.live:
+            from rich.console import Console
+            from rich.progress import BarColumn, Progress, TextColumn
+
+            self._progress = Progress(
+                TextColumn("{task.description}"), BarColumn(), console=Console(stderr=True), transient=True
+            )
+            self._progress.start()
+            self._task = self._progress.add_task(task, total=self.total or items)
+
+    def eta(self) -> float | None:
+        """Seconds still needed at the measured rate (None before any work or without a total)."""
+        elapsed = time.perf_counter() - self.t0
+        if not self.total and self.items and self.items_done:
+            return elapsed / self.items_done * max(self.items - self.items_done, 0)
+        if not self.total or self.done <= 0 or elapsed <= 0:
+            return None
+        return max(self.total - self.done, 0.0) / (self.done / elapsed)
+
+    def line(self, note: str) -> str:
+        """``task: note · done/total client-steps · rate · elapsed · ETA``."""
+        elapsed = time.perf_counter() - self.t0
+        rate = self.done / elapsed if elapsed > 0 else 0.0
+        total = f"/{self.total:.0f}" if self.total else ""
+        eta = self.eta()
+        return (
+            f"{self.task}: {note} · {self.done:.0f}{total} client-steps · {rate:.0f} client-steps/s · "
+            f"elapsed {format_seconds(elapsed)} · ETA {format_seconds(eta) if eta is not None else '?'}"
+        )
+
+    def update(self, steps: float, note: str, force: bool = True, item: bool = False) -> None:
+        """Add ``steps`` done (and one piece with ``item``); show ``note``.
+
+        Without ``force`` a plain line waits for a new tenth of the total or 30 seconds.
+        """
+        self.done += float(steps)
+        self.items_done += int(item)
+        text = self.line(note)
+        if self._progress is not None:
+            completed = self.done if self.total else self.items_done
+            self._progress.update(self._task, description=text, completed=completed)
+        if not self.plain:
+            return
+        decile = int(10 * self.done / self.total) if self.total else -1
+        now = time.perf_counter()
+        if force or decile > self._decile or now - self._last_line >= PLAIN_EVERY_S:
+            self._decile, self._last_line = decile, now
+            print(text, flush=True)
+
+    def close(self) -> None:
+        """Remove the live line (the task prints its own result)."""
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+
+def _where(algorithm: Any, stage: int, groups: Any) -> str:
+    """``stage 2/3 · 1 shard(s), 4 clients`` (FedShard) or ``round 5/20 · 8 clients`` (per-round methods)."""
+    clients = sum(len(g.clients) for g in groups)
+    planned = getattr(algorithm, "planned_stages", None)
+    rounds = getattr(algorithm, "rounds", None)
+    if isinstance(planned, int) and planned > 0:
+        return f"stage {stage}/{planned} · {len(groups)} shard(s), {clients} clients"
+    if isinstance(rounds, int) and groups and max(g.rounds for g in groups) < rounds:
+        return f"round {stage + 1}/{rounds} · {clients} clients"
+    return f"{len(groups)} group(s), {clients} clients"
+
+
+class TaskProgressCallback(FederatedCallback):
+    """Progress of ``unlearn`` and ``audit``: one update per engine call of the retraining.
+
+    Args:
+        live: Force the live line on or off (default: when stderr is a terminal).
+        plain: Force the plain lines on or off (default: when stdout is not a terminal).
+    """
+
+    def __init__(self, live: bool | None = None, plain: bool | None = None) -> None:
+        self.live, self.plain = live, plain
+        self.progress: TaskProgress | None = None
+
+    def _start(self, trainer: Any, task: str, total: float | None) -> None:
+        if trainer.is_global_zero:
+            self.progress = TaskProgress(task, total, self.live, self.plain)
+
+    def _stop(self) -> None:
+        if self.progress is not None:
+            self.progress.close()
+            self.progress = None
+
+    def on_unlearn_start(self, trainer: Any, clients: list[int]) -> None:
+        """Total: the request's predicted client-steps."""
+        self._start(trainer, "unlearn", trainer.algorithm.predict_cost(clients))
+
+    def on_audit_start(self, trainer: Any) -> None:
+        """Total: retraining without the unlearned clients (what the audit's replay costs)."""
+        alg = trainer.algorithm
+        try:
+            total = alg.retrain_cost([])
+        except NotImplementedError:
+            total = getattr(alg, "total_client_steps", None)
+        self._start(trainer, "audit", total)
+
+    def on_groups_trained(self, trainer: Any, stage: int, groups: Any, client_steps: int) -> None:
+        """One engine call of the retraining finished."""
+        if self.progress is not None:
+            alg = trainer.algorithm
+            per_round = not isinstance(getattr(alg, "planned_stages", None), int)
+            self.progress.update(client_steps, _where(alg, stage, groups), force=not per_round)
+
+    def on_unlearn_end(self, trainer: Any, report: dict[str, Any]) -> None:
+        """Close the line."""
+        self._stop()
+
+    def on_audit_end(self, trainer: Any, result: dict[str, Any]) -> None:
+        """Close the line."""
+        self._stop()
