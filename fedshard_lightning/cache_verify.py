@@ -61,6 +61,9 @@ class Verification:
         for blob in self._fresh:
             with contextlib.suppress(OSError):
                 blob.unlink()
+        for folder in {blob.parent for blob in self._fresh}:
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # only when empty: a folder this commit created
         self._fresh = []
 
     def verify(self, version: str | None = None) -> None:

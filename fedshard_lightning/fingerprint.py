@@ -18,7 +18,7 @@ from typing import Any
 
 from fedshard_lightning.init_args import init_args
 
-__all__ = ["fingerprint", "fingerprint_body"]
+__all__ = ["fingerprint", "fingerprint_body", "readable_body"]
 
 
 def fingerprint_body(model: Any, datamodule: Any, algorithm: Any, seed: int) -> dict[str, Any]:
@@ -37,3 +37,11 @@ def fingerprint(model: Any, datamodule: Any, algorithm: Any, seed: int) -> str:
     """32 hex digits of SHA-256 over :func:`fingerprint_body`."""
     body = fingerprint_body(model, datamodule, algorithm, seed)
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def readable_body(model: Any, datamodule: Any, algorithm: Any, seed: int) -> dict[str, Any]:
+    """:func:`fingerprint_body` plus the data's settings, so a refused resume can name the setting that changed.
+
+    Recorded in ``cache/FINGERPRINT`` before training; the data's own fingerprint is a hash.
+    """
+    return {**fingerprint_body(model, datamodule, algorithm, seed), "data_settings": init_args(datamodule)}

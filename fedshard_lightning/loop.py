@@ -244,7 +244,10 @@ def load_run(trainer: Any, run_dir: Path) -> None:
     # The cache is the truth: re-create what a crash after a commit may have left stale.
     params = trainer.algorithm.current_params()
     if model_is_stale(run_dir / "model.safetensors", params, trainer.device):
-        trainer._write_model(params)
+        trainer._write_model(params)  # never silently: a reader learns that the file had drifted
+        trainer._print(
+            f"note: {run_dir / 'model.safetensors'} differed from the cache; rewrote it from the cache"
+        )
     else:
         trainer._set_params(params)
     recover_reports(run_dir, trainer.store.cache, trainer.store.requests, Journal(run_dir))

@@ -32,6 +32,7 @@ from fedshard_lightning.cache import (
 )
 from fedshard_lightning.deployed import model_is_stale
 from fedshard_lightning.errors import CacheError, ConfigError, FedShardError
+from fedshard_lightning.os_faults import EXIT_CODES
 
 __all__ = [
     "Journal",
@@ -50,6 +51,8 @@ def new_run_dir(root_dir: str, run_name: str | None) -> Path:
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
+        if e.errno in EXIT_CODES:
+            raise
         raise ConfigError(
             f"trainer.default_root_dir={str(root)!r}: cannot create it ({e.strerror})"
         ) from None
@@ -79,6 +82,8 @@ def new_run_dir(root_dir: str, run_name: str | None) -> Path:
                 ) from None
             continue
         except OSError as e:
+            if e.errno in EXIT_CODES:
+                raise  # disk full, read-only, no permission: the CLI's one line with its own exit status
             raise ConfigError(
                 f"trainer.default_root_dir={str(root)!r}: cannot create {path} ({e.strerror})"
             ) from None
@@ -114,13 +119,15 @@ def existing_run_dir(ckpt_path: str | None, command: str) -> Path:
 def _resumable(path: Path) -> bool:
     """A folder that fit created: its cache folder, and the config or fingerprint that fit records first.
 
-    A fit killed before it recorded either holds nothing trained yet (an empty cache folder).
+    A fit killed before it recorded either left nothing but an empty cache folder (and maybe logs).
     """
     cache = path / "cache"
     if not cache.is_dir():
         return False
     marks = [path / "config.yaml", cache / "FINGERPRINT", cache / "CURRENT"]
-    return any(m.is_file() for m in marks) or not any(cache.iterdir())
+    if any(m.is_file() for m in marks):
+        return True
+    return not any(cache.iterdir()) and all(p.name in ("cache", "logs") for p in path.iterdir())
 
 
 @contextlib.contextmanager

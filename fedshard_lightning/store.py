@@ -31,13 +31,25 @@ _FIX = (
 )
 
 
-def first_difference(a: Any, b: Any, where: str = "") -> str:
-    """The first setting where two fingerprint bodies differ, as ``path: A in the run, B now``."""
+def _differences(a: Any, b: Any, where: str) -> list[tuple[str, Any, Any]]:
     if isinstance(a, dict) and isinstance(b, dict):
+        out = []
         for k in sorted(set(a) | set(b), key=str):
             if a.get(k) != b.get(k):
-                return first_difference(a.get(k), b.get(k), f"{where}.{k}" if where else str(k))
-    return f"{where or 'fingerprint'}: {json.dumps(a)[:80]} in the run, {json.dumps(b)[:80]} now"
+                out += _differences(a.get(k), b.get(k), f"{where}.{k}" if where else str(k))
+        return out
+    return [(where or "fingerprint", a, b)]
+
+
+def first_difference(a: Any, b: Any) -> str:
+    """The setting where two fingerprint bodies differ, as ``path: A in the run, B now``.
+
+    A readable setting (``data_settings.init_args.num_clients``) is named before a content hash.
+    """
+    diffs = _differences(a, b, "")
+    readable = [d for d in diffs if not (isinstance(d[1], str) and len(d[1]) >= 32 and d[1].isalnum())]
+    where, x, y = (readable or diffs)[0]
+    return f"{where}: {json.dumps(x)[:80]} in the run, {json.dumps(y)[:80]} now"
 
 
 def _same_tensors(a: Any, b: Any) -> bool:

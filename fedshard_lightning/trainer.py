@@ -29,7 +29,7 @@ from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.deployed import save_model
 from fedshard_lightning.engine import evaluate
 from fedshard_lightning.errors import FedShardError
-from fedshard_lightning.fingerprint import fingerprint, fingerprint_body
+from fedshard_lightning.fingerprint import fingerprint, readable_body
 from fedshard_lightning.loggers import run_loggers, wandb_state
 from fedshard_lightning.loop import TrainerEvents, launch_fabric, load_run, run_fit
 from fedshard_lightning.module import bind_model, param_dtype
@@ -263,7 +263,7 @@ class FederatedTrainer:
         try:
             with run_lock(run_dir):  # one process trains a run: a second resume stops in one line
                 self._setup(model, datamodule, run_dir, "fit")
-                self.store.claim(resume, fingerprint_body(self.module, datamodule, self.algorithm, self.seed))
+                self.store.claim(resume, readable_body(self.module, datamodule, self.algorithm, self.seed))
                 return run_fit(self, run_dir, resume, exclude_clients or [])
         except BaseException as e:
             # A run that failed before its first cache commit holds nothing worth keeping.

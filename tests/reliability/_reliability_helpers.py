@@ -7,6 +7,7 @@ point of the test; everything else goes through ``fedshard_lightning.cli.main`` 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import os
@@ -71,6 +72,22 @@ def error_lines(err: str) -> list[str]:
 def snapshot(root: Path) -> dict[Path, bytes]:
     """Bytes of every file under ``root`` (hidden ones included)."""
     return {p: p.read_bytes() for p in sorted(Path(root).rglob("*")) if p.is_file()}
+
+
+def tree_hash(root: Path) -> str:
+    """SHA-256 over every path under ``root`` with its mode and bytes (links: their target)."""
+    h = hashlib.sha256()
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for name in sorted(dirnames + filenames):
+            p = Path(dirpath) / name
+            st = p.lstat()
+            h.update(f"{p.relative_to(root)}\0{st.st_mode:o}\0".encode())
+            if p.is_symlink():
+                h.update(os.readlink(p).encode())
+            elif p.is_file():
+                h.update(p.read_bytes())
+    return h.hexdigest()
 
 
 def changed_files(before: dict[Path, bytes]) -> list[str]:

@@ -3,7 +3,8 @@
 Each case asserts the exit status, exactly one non-empty stderr line (besides Lightning's
 'Seed set to' line) that starts with ``error: `` and names the offending field or path, no
 traceback, and that every file that existed under the fixture folder (run directories, data
-directories, configs) is byte-identical afterwards. Config values, unlearning client lists, data
+directories, configs) is byte-identical afterwards, and the folder's tree hash (every path, mode
+and byte) unchanged. ``test_bad_input_matrix.py`` holds the tamper matrix; both count together. Config values, unlearning client lists, data
 directories in the MNIST IDX format and run directories are covered; ``tests/test_cli.py`` and
 ``tests/unlearning/test_fedshard.py`` hold the cases not repeated here.
 """
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from _reliability_helpers import TINY, changed_files, cli, copy_run, error_lines, snapshot
+from _reliability_helpers import TINY, changed_files, cli, copy_run, error_lines, snapshot, tree_hash
 
 from fedshard_lightning.cache import FLCache
 
@@ -232,7 +233,7 @@ def _params():
 def test_bad_input_is_one_line_and_changes_nothing(env, args, needle):
     argv = args(env)
     needle = needle(env) if callable(needle) else needle
-    before = snapshot(env.root)
+    before, tree = snapshot(env.root), tree_hash(env.root)
     code, _, err = cli(argv)
     lines = error_lines(err)
     assert "Traceback" not in err, err
@@ -241,6 +242,7 @@ def test_bad_input_is_one_line_and_changes_nothing(env, args, needle):
     assert lines[0].startswith("error: "), lines[0]
     assert needle in lines[0], (needle, lines[0])
     assert changed_files(before) == []
+    assert tree_hash(env.root) == tree, "a path was added, removed or changed its mode"
 
 
 def test_the_table_is_large_enough():

@@ -1,0 +1,111 @@
+"""Disk full, read-only, file too large: one line, the exit status of its kind, nothing committed lost.
+
+The matrix (test_bad_input_matrix.py) fails the first write of a command; here the fault hits in
+the middle of a commit (blobs written, manifest not yet), and real mechanisms are used where this
+machine allows them: ``ulimit -f`` in a subprocess (EFBIG, SIGXFSZ ignored) and a tmpfs remounted
+read-only (EROFS, as root chmod would not stop us).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+
+import pytest
+from _reliability_helpers import ROOT, cli, copy_run, error_lines, journal, tmp_leftovers, tree_hash
+
+from fedshard_lightning.cache import FLCache
+
+
+def _unlearn(run, clients="[2]"):
+    return ["unlearn", "--config", str(run / "config.yaml"), "--ckpt_path", str(run), "--clients", clients]
+
+
+def _reference_unlearned(reference_run, tmp_path):
+    ref = copy_run(reference_run, tmp_path / "ref")
+    code, _, err = cli(_unlearn(ref))
+    assert code == 0, err
+    return (ref / "model.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize(
+    ("err", "code"), [(errno.ENOSPC, 3), (errno.EROFS, 4), (errno.EFBIG, 5), (errno.EACCES, 6)]
+)
+def test_fault_in_the_middle_of_a_commit_rolls_back_and_the_rerun_is_exact(
+    reference_run, tmp_path, monkeypatch, err, code
+):
+    run = copy_run(reference_run, tmp_path / "run")
+    cache = FLCache(run / "cache")
+    current, blobs = cache.current(), sorted((run / "cache" / "blobs").rglob("*"))
+    model = (run / "model.safetensors").read_bytes()
+    real_replace = os.replace
+
+    def replace(src, dst):  # the manifest's rename: every blob of the new version is written by then
+        if str(dst).endswith("manifest.json"):
+            raise OSError(err, os.strerror(err), str(src))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    status, _, stderr = cli(_unlearn(run))
+    monkeypatch.undo()
+    lines = error_lines(stderr)
+    assert status == code and len(lines) == 1 and "Traceback" not in stderr, stderr
+    assert "manifest.json" in lines[0] and ".tmp-" not in lines[0], lines[0]
+    assert cache.current() == current and cache.versions()[-1] == current, "no new version"
+    assert sorted((run / "cache" / "blobs").rglob("*")) == blobs, "the failed commit's blobs are removed"
+    assert tmp_leftovers(run / "cache") == [] and (run / "model.safetensors").read_bytes() == model
+    assert [e["event"] for e in journal(run)] == ["started"]
+    status, _, stderr = cli(_unlearn(run))  # the fault is gone: the request goes through, exactly
+    assert status == 0, stderr
+    assert (run / "model.safetensors").read_bytes() == _reference_unlearned(reference_run, tmp_path)
+
+
+def test_ulimit_f_gives_efbig_in_one_line(reference_run, tmp_path):
+    """A real file-size limit in a subprocess: SIGXFSZ is ignored, so the write fails with EFBIG."""
+    run = copy_run(reference_run, tmp_path / "run")
+    before = FLCache(run / "cache").current()
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1"}
+    args = " ".join(f"'{a}'" for a in _unlearn(run))
+    r = subprocess.run(
+        ["bash", "-c", f"ulimit -f 8 && exec '{sys.executable}' -m fedshard_lightning {args}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    lines = error_lines(r.stderr)
+    assert r.returncode == 5, r.stderr
+    assert len(lines) == 1 and "EFBIG" in lines[0] and str(run) in lines[0], r.stderr
+    assert FLCache(run / "cache").current() == before and tmp_leftovers(run / "cache") == []
+
+
+@pytest.fixture
+def read_only_run(reference_run, tmp_path):
+    """The run on a tmpfs remounted read-only (skipped where this machine cannot mount)."""
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)], capture_output=True
+    ).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        run = copy_run(reference_run, mnt / "run")
+        if subprocess.run(["mount", "-o", "remount,ro", str(mnt)], capture_output=True).returncode:
+            pytest.skip("cannot remount the tmpfs read-only")
+        yield run
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
+def test_read_only_run_can_be_tested_but_not_unlearned(read_only_run):
+    run = read_only_run
+    before = tree_hash(run)
+    code, out, err = cli(["test", "--config", str(run / "config.yaml"), "--ckpt_path", str(run)])
+    assert code == 0 and "test_accuracy=" in out, err  # reading needs no write
+    code, _, err = cli(_unlearn(run))
+    lines = error_lines(err)
+    assert code == 4 and len(lines) == 1 and "EROFS" in lines[0] and str(run) in lines[0], err
+    assert tree_hash(run) == before
