@@ -106,6 +106,7 @@ class FederatedEngine:
         self._announced = False
         self.chunk = max_chunk_clients or self._chunk_from_budget(memory_budget_mb)
         self.policy: ParticipantPolicy = KeyedSampling(self.client_fraction, self.seed)
+        self._cuda = next(module.parameters()).device.type == "cuda"  # asked every round: once
 
     # -- parameters ------------------------------------------------------------------------------
     def with_optimizer(self, spec: OptimizerSpec) -> FederatedEngine:
@@ -223,7 +224,7 @@ class FederatedEngine:
         if not self.batch_invariant and not self.local.compiled:
             return None
         self.local.program()
-        cuda = next(self.module.parameters()).device.type == "cuda"
+        cuda = self._cuda
         fx = self.local.kernel_choice.kernel in (Kernel.CHAIN, Kernel.FX)
         if not cuda and fx and self.local.conv_mode == "per_client" and not self.local.compiled:
             return None
@@ -313,7 +314,7 @@ class FederatedEngine:
                 own_cpu = torch.as_tensor(ow)
                 weight.index_add_(0, own_cpu, torch.as_tensor(self.sizes[cl], dtype=torch.float64))
                 loss_sum.index_add_(0, own_cpu, res.loss_sum.detach().cpu().double())
-                np.add.at(step_count, ow, res.steps)
+                step_count += np.bincount(ow, weights=res.steps, minlength=G).astype(np.int64)  # exact
                 self._add_logged(logged, res, cl)
                 if keep_client_params:
                     kept.append(res)

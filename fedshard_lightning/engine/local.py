@@ -264,17 +264,23 @@ class LocalTrainer:
         leaves = {_PREFIX + n: start[n].index_select(0, pick).requires_grad_() for n in self.names}
         out.update({n: start[n].new_empty((m_all, *start[n].shape[1:])) for n in self.buffer_names})
         cbuf = {_PREFIX + n: start[n].index_select(0, pick) for n in self.buffer_names}
-        buffers = {_PREFIX + n: b_ for n, b_ in self.module.named_buffers() if n not in self.buffer_names}
         self.program()
         chain = self._chain
         spec = self.spec_at(batch.round)
         fused = fused_sgd_lr(spec) if chain is not None else None
-        opt = spec.build(leaves, _PREFIX)
+        # Plain SGD in the chain kernel updates in place (no optimizer); only autograd steps read
+        # the module's shared buffers and the clients' random keys. Fixed per-round costs matter
+        # when a round trains one or two clients (unlearning's lower stages).
+        opt = spec.build(leaves, _PREFIX) if fused is None else None
+        buffers: dict[str, Tensor] = {}
+        keys_all = torch.zeros(0)
+        if chain is None:
+            buffers = {_PREFIX + n: b_ for n, b_ in self.module.named_buffers() if n not in self.buffer_names}
+            keys_all = torch.as_tensor(
+                np.ascontiguousarray(self.keys(batch, s_max)[order].T), device=device
+            )  # [S, m] in step order
         loss_sum = torch.zeros(m_all, dtype=self.dtype, device=device)
         logs: dict[str, Tensor] = {}
-        keys_all = torch.as_tensor(
-            np.ascontiguousarray(self.keys(batch, s_max)[order].T), device=device
-        )  # [S, m] in step order
         steps_sorted = steps[order]
         # Per-step sample weights and batch sizes go to the device once per round, not per step.
         size_t = torch.as_tensor(gsz, device=device)
@@ -294,7 +300,8 @@ class LocalTrainer:
                 elif m_s < m:
                     self._retire(out, {**leaves, **cbuf}, order_t, m_s, m)
                     new = {k: v.detach()[:m_s].requires_grad_() for k, v in leaves.items()}
-                    shrink_optimizer(opt, list(leaves.values()), list(new.values()), m_s)
+                    if opt is not None:
+                        shrink_optimizer(opt, list(leaves.values()), list(new.values()), m_s)
                     leaves, m = new, m_s
                     cbuf = {k: v[:m_s] for k, v in cbuf.items()}
                     live = m
