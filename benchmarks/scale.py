@@ -80,9 +80,11 @@ def cache_state(root: Path) -> dict[str, Any]:
 
 
 def make(args: argparse.Namespace, root: Path) -> tuple[Any, MLP, SyntheticDataModule]:
-    """Trainer, model and data of the benchmark's one config."""
+    """Trainer, model and data of the benchmark's one config (``--fixed-rounds``: a cheap tree builder)."""
+    rounds = "fixed" if args.fixed_rounds else "a2"
+    common = {"t0": 2, "t1": 8, "batch_size": 10, "local_epochs": 1}
     trainer = quiet_trainer(
-        FedShard(merge_rate=MERGE_RATE, rounds="a2", t0=2, t1=8, batch_size=10, local_epochs=1),
+        FedShard(merge_rate=MERGE_RATE, rounds=rounds, fixed_rounds=args.fixed_rounds or 1, **common),
         root=str(root),
         run_name="run",
         vectorize="always",
@@ -217,6 +219,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=0, help="fit, N single-client requests, audit, gc, audit")
     ap.add_argument("--audit", action="store_true", help="append audit, gc, audit-after-gc")
     ap.add_argument("--tolerance", type=float, default=0.0, help="audit tolerance (default 0: bit-exact)")
+    ap.add_argument(
+        "--fixed-rounds", type=int, default=0, help="N rounds per shard instead of A2 (a cheap tree to load)"
+    )
     ap.add_argument("--phase", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.threads:
@@ -239,7 +244,7 @@ def main() -> None:
     for phase in phases:
         cmd = [sys.executable, __file__, "--phase", phase, "--root", str(root), "--clients", str(k)]
         cmd += ["--samples-per-client", str(args.samples_per_client), "--requests", str(args.requests)]
-        cmd += ["--tolerance", str(args.tolerance)]
+        cmd += ["--tolerance", str(args.tolerance), "--fixed-rounds", str(args.fixed_rounds)]
         if args.profile:
             cmd += ["--profile", args.profile]
         if args.threads:
