@@ -88,7 +88,13 @@ def make(args: argparse.Namespace, root: Path) -> tuple[Any, MLP, SyntheticDataM
     rounds = "fixed" if args.fixed_rounds else "a2"
     common = {"t0": 2, "t1": 8, "batch_size": 10, "local_epochs": 1}
     trainer = quiet_trainer(
-        FedShard(merge_rate=MERGE_RATE, rounds=rounds, fixed_rounds=args.fixed_rounds or 1, **common),
+        FedShard(
+            merge_rate=MERGE_RATE,
+            merge=args.merge,
+            rounds=rounds,
+            fixed_rounds=args.fixed_rounds or 1,
+            **common,
+        ),
         root=str(root),
         run_name="run",
         vectorize="always",
@@ -114,17 +120,18 @@ def leaving(k: int, phase: str, j: int = 0) -> list[int]:
     return sorted({(k // 3 + 1 + i * (k // 16)) % k for i in range(16)})
 
 
-def load_pieces(trainer: Any, model: MLP, dm: SyntheticDataModule, run: Path) -> dict[str, float]:
-    """Seconds of each piece of loading the run's current version, then of the whole restore.
+def load_pieces(trainer: Any, model: MLP, dm: SyntheticDataModule, run: Path) -> dict[str, Any]:
+    """Wall and CPU seconds of each piece of loading the run's current version, then of the whole restore.
 
     After the trainer's setup (data, model, engine: not timed): the cache metadata (``CURRENT``, the
     manifest, every stage's frozen structure and stack index), the tree and shard records rebuilt
     from the structure, the model blobs read, checked and stacked; then ``store.restore`` (all of
-    it, including theta^0 and the client sizes, page cache warm).
+    it, including theta^0 and the client sizes, page cache warm). CPU seconds (this process's) tell
+    the cost apart from the waiting on a shared machine.
     """
     trainer._setup(model, dm, run, "audit")
     alg, cache = trainer.algorithm, FLCache(run / "cache")
-    t = time.perf_counter()
+    marks = [(time.perf_counter(), time.process_time())]
     version = cache.current()
     manifest = cache.manifest(version)
     stages = int(manifest["stages_done"])
@@ -133,19 +140,19 @@ def load_pieces(trainer: Any, model: MLP, dm: SyntheticDataModule, run: Path) ->
     ]
     for p in range(1, stages + 1):
         cache.stack_digests(f"stage_{p}", version, manifest)
-    t_meta = time.perf_counter()
+    marks.append((time.perf_counter(), time.process_time()))
     alg.restore_structure(structures, {int(c) for c in manifest.get("unlearned", [])})
-    t_tree = time.perf_counter()
+    marks.append((time.perf_counter(), time.process_time()))
     models = [cache.stack(f"stage_{p}", version, manifest=manifest) for p in range(1, stages + 1)]
-    t_blobs = time.perf_counter()
+    marks.append((time.perf_counter(), time.process_time()))
     del models
     trainer.store.restore(alg, trainer.device, trainer.vectorize)
-    t_all = time.perf_counter()
+    marks.append((time.perf_counter(), time.process_time()))
+    out: dict[str, Any] = {}
+    for name, (w0, c0), (w1, c1) in zip(("metadata", "tree_records", "blobs", "restore"), marks, marks[1:]):
+        out[f"load_{name}_s"], out[f"load_{name}_cpu_s"] = w1 - w0, c1 - c0
     return {
-        "load_metadata_s": t_meta - t,
-        "load_tree_records_s": t_tree - t_meta,
-        "load_blobs_s": t_blobs - t_tree,
-        "load_restore_s": t_all - t_blobs,
+        **out,
         "version": version,
         "records": sum(len(r) for r in alg.records),
     }
@@ -267,6 +274,12 @@ def main() -> None:
         "--fixed-rounds", type=int, default=0, help="N rounds per shard instead of A2 (a cheap tree to load)"
     )
     ap.add_argument(
+        "--merge",
+        default="a1",
+        choices=["a1", "a1_count", "random"],
+        help="FedShard's merge policy (default a1)",
+    )
+    ap.add_argument(
         "--fit-only", action="store_true", help="only the fit phase (e.g. to --load-only it later)"
     )
     ap.add_argument("--load-only", action="store_true", help="time loading the run in --root, piece by piece")
@@ -294,7 +307,14 @@ def main() -> None:
     for phase in phases:
         cmd = [sys.executable, __file__, "--phase", phase, "--root", str(root), "--clients", str(k)]
         cmd += ["--samples-per-client", str(args.samples_per_client), "--requests", str(args.requests)]
-        cmd += ["--tolerance", str(args.tolerance), "--fixed-rounds", str(args.fixed_rounds)]
+        cmd += [
+            "--tolerance",
+            str(args.tolerance),
+            "--fixed-rounds",
+            str(args.fixed_rounds),
+            "--merge",
+            args.merge,
+        ]
         if args.profile:
             cmd += ["--profile", args.profile]
         if args.threads:
@@ -334,9 +354,11 @@ def main() -> None:
             name += f" ({r['requests']} x 1 client, {r['request_wall_s_mean']:.1f} s each)"
         if r["phase"] == "load":
             name += (
-                f" ({r['version']}, {r['records']} shard records: metadata {r['load_metadata_s']:.3f} s, tree + records "
-                f"{r['load_tree_records_s']:.3f} s, blobs {r['load_blobs_s']:.2f} s; whole restore "
-                f"{r['load_restore_s']:.2f} s)"
+                f" ({r['version']}, {r['records']} shard records; wall / CPU s: metadata "
+                f"{r['load_metadata_s']:.3f} / {r['load_metadata_cpu_s']:.3f}, tree + records "
+                f"{r['load_tree_records_s']:.3f} / {r['load_tree_records_cpu_s']:.3f}, blobs "
+                f"{r['load_blobs_s']:.2f} / {r['load_blobs_cpu_s']:.2f}; whole restore "
+                f"{r['load_restore_s']:.2f} / {r['load_restore_cpu_s']:.2f})"
             )
         if "passed" in r:
             name += (

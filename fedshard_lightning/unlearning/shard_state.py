@@ -20,7 +20,9 @@ result the same either way).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+import gc
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -206,8 +208,9 @@ class ShardCache:
     def restore_structure(self, structures: list[dict[str, Tensor]], gone: set[int]) -> None:
         """The tree and the records from each stage's frozen structure (children as ranges of one array)."""
         arrays = [(st["children"].numpy(), st["offsets"].numpy()) for st in structures]
-        self.tree = ShardTree.from_arrays(self.num_clients, self.merge_rate, arrays)
-        self.records = self._records_from(structures, gone)
+        with _gc_paused():
+            self.tree = ShardTree.from_arrays(self.num_clients, self.merge_rate, arrays)
+            self.records = self._records_from(structures, gone)
 
     def restore_cache(self, cache: FLCache, manifest: dict[str, Any], device: torch.device) -> None:
         """Restore the tree and the records from the frozen structure, and every stage's shard models."""
@@ -238,6 +241,22 @@ class ShardCache:
     def resumable(self, manifest: dict[str, Any]) -> bool:
         """A partial fit continues after its last complete stage."""
         return manifest.get("stages_done") is not None
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """No cyclic GC while ~K records and their tuples are built.
+
+    They all stay alive, so each collection would rescan the whole heap for nothing (0.55 s
+    of CPU instead of 0.16 s for the tree and records at K = 65,536).
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _same_tensors(a: Any, b: Any) -> bool:
