@@ -10,6 +10,8 @@ Phases, each in a fresh Python process so that its peak RSS (``ru_maxrss``) is i
    retrains, commits a new cache version, writes the report);
 3. ``unlearn-16``: a second request of 16 other clients (requests accumulate);
 
+or, with ``--load-only`` on an existing ``--root``: ``load``, the current version loaded piece by
+piece (cache metadata, tree and shard records, model blobs), then the whole ``store.restore``;
 or, with ``--requests N``: ``fit``, then N single-client requests in one process (``requests``),
 ``audit`` (replay of the whole frozen tree), ``gc`` (``python -m fedshard_lightning cache gc
 --keep 1``) and ``audit-after-gc``. ``--audit`` appends the last three to the default phases.
@@ -26,6 +28,8 @@ K + P models (Appendix D, "space complexity": sum_p ceil(K / R^p) <= K + P), and
     python benchmarks/scale.py --requests 100    # cache growth over 100 single-client requests
     python benchmarks/scale.py --clients 256     # quick check
     python benchmarks/scale.py --profile /tmp/prof   # also cProfile every phase (top 25 printed)
+    python benchmarks/scale.py --clients 65536 --fixed-rounds 1 --samples-per-client 10 --fit-only --root R
+    python benchmarks/scale.py --clients 65536 --samples-per-client 10 --load-only --root R   # load timings
 """
 
 from __future__ import annotations
@@ -80,9 +84,17 @@ def cache_state(root: Path) -> dict[str, Any]:
 
 
 def make(args: argparse.Namespace, root: Path) -> tuple[Any, MLP, SyntheticDataModule]:
-    """Trainer, model and data of the benchmark's one config."""
+    """Trainer, model and data of the benchmark's one config (``--fixed-rounds``: a cheap tree builder)."""
+    rounds = "fixed" if args.fixed_rounds else "a2"
+    common = {"t0": 2, "t1": 8, "batch_size": 10, "local_epochs": 1}
     trainer = quiet_trainer(
-        FedShard(merge_rate=MERGE_RATE, rounds="a2", t0=2, t1=8, batch_size=10, local_epochs=1),
+        FedShard(
+            merge_rate=MERGE_RATE,
+            merge=args.merge,
+            rounds=rounds,
+            fixed_rounds=args.fixed_rounds or 1,
+            **common,
+        ),
         root=str(root),
         run_name="run",
         vectorize="always",
@@ -106,6 +118,44 @@ def leaving(k: int, phase: str, j: int = 0) -> list[int]:
     if phase == "requests":
         return [(k // 5 + j * (k // 101 or 1) + j) % k]
     return sorted({(k // 3 + 1 + i * (k // 16)) % k for i in range(16)})
+
+
+def load_pieces(trainer: Any, model: MLP, dm: SyntheticDataModule, run: Path) -> dict[str, Any]:
+    """Wall and CPU seconds of each piece of loading the run's current version, then of the whole restore.
+
+    After the trainer's setup (data, model, engine: not timed): the cache metadata (``CURRENT``, the
+    manifest, every stage's frozen structure and stack index), the tree and shard records rebuilt
+    from the structure, the model blobs read, checked and stacked; then ``store.restore`` (all of
+    it, including theta^0 and the client sizes, page cache warm). CPU seconds (this process's) tell
+    the cost apart from the waiting on a shared machine.
+    """
+    trainer._setup(model, dm, run, "audit")
+    alg, cache = trainer.algorithm, FLCache(run / "cache")
+    marks = [(time.perf_counter(), time.process_time())]
+    version = cache.current()
+    manifest = cache.manifest(version)
+    stages = int(manifest["stages_done"])
+    structures = [
+        cache.tensors(f"structure_{p}.safetensors", version, manifest=manifest) for p in range(1, stages + 1)
+    ]
+    for p in range(1, stages + 1):
+        cache.stack_digests(f"stage_{p}", version, manifest)
+    marks.append((time.perf_counter(), time.process_time()))
+    alg.restore_structure(structures, {int(c) for c in manifest.get("unlearned", [])})
+    marks.append((time.perf_counter(), time.process_time()))
+    models = [cache.stack(f"stage_{p}", version, manifest=manifest) for p in range(1, stages + 1)]
+    marks.append((time.perf_counter(), time.process_time()))
+    del models
+    trainer.store.restore(alg, trainer.device, trainer.vectorize)
+    marks.append((time.perf_counter(), time.process_time()))
+    out: dict[str, Any] = {}
+    for name, (w0, c0), (w1, c1) in zip(("metadata", "tree_records", "blobs", "restore"), marks, marks[1:]):
+        out[f"load_{name}_s"], out[f"load_{name}_cpu_s"] = w1 - w0, c1 - c0
+    return {
+        **out,
+        "version": version,
+        "records": sum(len(r) for r in alg.records),
+    }
 
 
 def run_phase(args: argparse.Namespace) -> None:
@@ -149,6 +199,9 @@ def run_phase(args: argparse.Namespace) -> None:
                 "requests": args.requests,
                 "request_wall_s_mean": sum(per) / len(per),
             }
+        elif args.phase == "load":
+            extra = load_pieces(trainer, model, dm, root / "run")
+            algo_s, steps = 0.0, 0
         elif args.phase in ("audit", "audit-after-gc"):
             # The algorithm's audit (the trainer's exits 1 on failure): the figures are wanted either way.
             trainer._load_run(model, dm, str(root / "run"), "audit")
@@ -217,6 +270,19 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=0, help="fit, N single-client requests, audit, gc, audit")
     ap.add_argument("--audit", action="store_true", help="append audit, gc, audit-after-gc")
     ap.add_argument("--tolerance", type=float, default=0.0, help="audit tolerance (default 0: bit-exact)")
+    ap.add_argument(
+        "--fixed-rounds", type=int, default=0, help="N rounds per shard instead of A2 (a cheap tree to load)"
+    )
+    ap.add_argument(
+        "--merge",
+        default="a1",
+        choices=["a1", "a1_count", "random"],
+        help="FedShard's merge policy (default a1)",
+    )
+    ap.add_argument(
+        "--fit-only", action="store_true", help="only the fit phase (e.g. to --load-only it later)"
+    )
+    ap.add_argument("--load-only", action="store_true", help="time loading the run in --root, piece by piece")
     ap.add_argument("--phase", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.threads:
@@ -235,11 +301,20 @@ def main() -> None:
     phases = ["fit", "requests", *tail] if args.requests else ["fit", "unlearn-1", "unlearn-16"]
     if args.audit and not args.requests:
         phases += tail
+    if args.fit_only or args.load_only:
+        phases = ["fit"] if args.fit_only else ["load"]
     results = []
     for phase in phases:
         cmd = [sys.executable, __file__, "--phase", phase, "--root", str(root), "--clients", str(k)]
         cmd += ["--samples-per-client", str(args.samples_per_client), "--requests", str(args.requests)]
-        cmd += ["--tolerance", str(args.tolerance)]
+        cmd += [
+            "--tolerance",
+            str(args.tolerance),
+            "--fixed-rounds",
+            str(args.fixed_rounds),
+            "--merge",
+            args.merge,
+        ]
         if args.profile:
             cmd += ["--profile", args.profile]
         if args.threads:
@@ -277,6 +352,14 @@ def main() -> None:
             name += f" (retraining the tree: {r['retrain_client_steps']} steps)"
         if r["phase"] == "requests":
             name += f" ({r['requests']} x 1 client, {r['request_wall_s_mean']:.1f} s each)"
+        if r["phase"] == "load":
+            name += (
+                f" ({r['version']}, {r['records']} shard records; wall / CPU s: metadata "
+                f"{r['load_metadata_s']:.3f} / {r['load_metadata_cpu_s']:.3f}, tree + records "
+                f"{r['load_tree_records_s']:.3f} / {r['load_tree_records_cpu_s']:.3f}, blobs "
+                f"{r['load_blobs_s']:.2f} / {r['load_blobs_cpu_s']:.2f}; whole restore "
+                f"{r['load_restore_s']:.2f} / {r['load_restore_cpu_s']:.2f})"
+            )
         if "passed" in r:
             name += (
                 f" ({'passed' if r['passed'] else 'FAILED'} at {r['tolerance']:.0e}: max abs diff "

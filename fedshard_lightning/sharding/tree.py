@@ -14,6 +14,9 @@ Departures from the paper and choices of ours:
   always has exactly ``P`` stages and the unlearning cost is predictable (SPEC section 7).
 - Shard indices are 0-based; a shard's children keep the order its merge policy gave them, since
   the aggregation order of their models is part of what makes unlearning bit-exact.
+- Each stage is held as flat arrays (:mod:`~fedshard_lightning.sharding.stage_arrays`); the
+  :class:`Shard` objects are built only when asked for, so loading a cached tree of K = 65,536
+  clients does not build O(K P) Python tuples.
 """
 
 from __future__ import annotations
@@ -24,7 +27,11 @@ from dataclasses import dataclass
 from itertools import chain
 from typing import Any
 
+import numpy as np
+
 from fedshard_lightning.errors import ConfigError, UnlearningRequestError
+from fedshard_lightning.sharding.stage_arrays import StageArrays, grouping_error, leaf_stage, next_stage
+from fedshard_lightning.sharding.tree_text import draw_tree
 
 __all__ = ["Shard", "ShardTree", "num_stages"]
 
@@ -108,9 +115,8 @@ class ShardTree:
         self._planned = num_stages(num_clients, merge_rate)
         self._num_clients = num_clients
         self._merge_rate = merge_rate
-        self._stages: list[list[Shard]] = [[Shard(0, c, (), (c,)) for c in range(num_clients)]]
-        # _parents[p][i] = index in stage p + 1 of the parent of shard i of stage p.
-        self._parents: list[list[int]] = []
+        self._arrays: list[StageArrays] = [leaf_stage(num_clients)]
+        self._shards: list[list[Shard] | None] = [None]  # built on first use
 
     # ------------------------------------------------------------------ construction
 
@@ -130,8 +136,7 @@ class ShardTree:
         """
         if self.complete:
             raise ValueError("the shard tree is complete: its last stage already has a single shard")
-        previous = self._stages[-1]
-        n_prev, rate = len(previous), self._merge_rate
+        n_prev, rate = self._arrays[-1].size, self._merge_rate
         expected = -(-n_prev // rate)
         parents = [-1] * n_prev
         clean: list[tuple[int, ...]] = []
@@ -154,26 +159,75 @@ class ShardTree:
             clean.append(tuple(group))
         if len(clean) != expected:
             raise ValueError(
-                f"stage {len(self._stages)} needs ceil({n_prev}/{rate}) = {expected} groups, got {len(clean)}"
+                f"stage {len(self._arrays)} needs ceil({n_prev}/{rate}) = {expected} groups, got {len(clean)}"
             )
         missing = [i for i, parent in enumerate(parents) if parent == -1]
         if missing:
-            raise ValueError(f"shards {missing[:10]} of stage {len(self._stages) - 1} are in no group")
-        stage = len(self._stages)
-        shards = [
-            Shard(
-                stage,
-                s,
-                group,
-                # chain + sorted run in C (the children's sorted runs merge in linear time): a
-                # generator here cost 2.6 s of loading a K = 65,536 tree (O(K P) client ids).
-                tuple(sorted(chain.from_iterable(previous[child].clients for child in group))),
-            )
-            for s, group in enumerate(clean)
-        ]
-        self._stages.append(shards)
-        self._parents.append(parents)
-        return list(shards)
+            raise ValueError(f"shards {missing[:10]} of stage {len(self._arrays) - 1} are in no group")
+        starts = np.zeros(len(clean) + 1, dtype=np.int64)
+        np.cumsum([len(g) for g in clean], out=starts[1:])
+        children = np.fromiter(chain.from_iterable(clean), dtype=np.int64, count=int(starts[-1]))
+        self._arrays.append(next_stage(self._arrays[-1], children, starts))
+        self._shards.append(None)
+        return list(self._stage_shards(len(self._arrays) - 1))
+
+    @classmethod
+    def from_arrays(
+        cls, num_clients: int, merge_rate: int, stages: Sequence[tuple[np.ndarray, np.ndarray]]
+    ) -> ShardTree:
+        """Rebuild a tree from each stage's ``(children, offsets)`` arrays, validated vectorized.
+
+        The fast twin of :meth:`from_dict` for the cache: shard ``s`` of a stage has the children
+        ``children[offsets[s]:offsets[s + 1]]``, in aggregation order.
+
+        Raises:
+            ValueError: If the arrays are not a valid (possibly partial) tree.
+        """
+        try:
+            tree = cls(num_clients, merge_rate)
+        except ValueError as err:
+            raise ValueError(f"malformed shard tree: {err}") from err
+        for children, offsets in stages:
+            stage = len(tree._arrays)
+            if tree.complete:
+                raise ValueError(f"malformed shard tree: stage {stage} comes after the root")
+            children = np.asarray(children)
+            offsets = np.asarray(offsets)
+            if children.ndim != 1 or offsets.ndim != 1 or len(offsets) < 1:
+                raise ValueError(f"malformed shard tree: stage {stage} needs 1-d children and offsets")
+            if children.dtype.kind not in "iu" or offsets.dtype.kind not in "iu":
+                raise ValueError(f"malformed shard tree: stage {stage} holds non-integer indices")
+            children, offsets = children.astype(np.int64), offsets.astype(np.int64)
+            error = grouping_error(children, offsets, tree._arrays[-1].size, merge_rate)
+            if error is not None:
+                raise ValueError(f"malformed shard tree: stage {stage} {error}")
+            tree._arrays.append(next_stage(tree._arrays[-1], children, offsets))
+            tree._shards.append(None)
+        return tree
+
+    def _stage_shards(self, stage: int) -> list[Shard]:
+        """The :class:`Shard` objects of a stage (built once, from its arrays)."""
+        shards = self._shards[stage]
+        if shards is None:
+            a = self._arrays[stage]
+            ids, cs = a.clients.tolist(), a.client_starts.tolist()
+            kids, ks = a.children.tolist(), a.child_starts.tolist()
+            shards = [
+                Shard(stage, s, tuple(kids[ks[s] : ks[s + 1]]), tuple(ids[cs[s] : cs[s + 1]]))
+                for s in range(a.size)
+            ]
+            self._shards[stage] = shards
+        return shards
+
+    def stage_arrays(self, stage: int) -> StageArrays:
+        """Stage ``stage`` as flat read-only arrays (children and clients as ranges).
+
+        Raises:
+            IndexError: If there is no such stage.
+        """
+        if not 0 <= stage < len(self._arrays):
+            raise IndexError(f"stage {stage} not in range 0..{self.num_stages}")
+        return self._arrays[stage]
 
     # ------------------------------------------------------------------ properties
 
@@ -195,17 +249,17 @@ class ShardTree:
     @property
     def num_stages(self) -> int:
         """Number of stages built after stage 0."""
-        return len(self._stages) - 1
+        return len(self._arrays) - 1
 
     @property
     def complete(self) -> bool:
         """Whether the last stage built has a single shard (the root)."""
-        return len(self._stages[-1]) == 1
+        return self._arrays[-1].size == 1
 
     @property
     def stages(self) -> list[list[Shard]]:
         """All stages, ``stages[0]`` being the leaves (a copy; shards are immutable)."""
-        return [list(stage) for stage in self._stages]
+        return [list(self._stage_shards(p)) for p in range(len(self._arrays))]
 
     # ------------------------------------------------------------------ queries
 
@@ -215,11 +269,15 @@ class ShardTree:
         Raises:
             IndexError: If there is no such shard.
         """
-        if not 0 <= stage < len(self._stages):
-            raise IndexError(f"stage {stage} not in range 0..{self.num_stages}")
-        if not 0 <= index < len(self._stages[stage]):
-            raise IndexError(f"stage {stage} has no shard {index} ({len(self._stages[stage])} shards)")
-        return self._stages[stage][index]
+        a = self.stage_arrays(stage)
+        if not 0 <= index < a.size:
+            raise IndexError(f"stage {stage} has no shard {index} ({a.size} shards)")
+        built = self._shards[stage]
+        if built is not None:
+            return built[index]
+        kids = a.children[a.child_starts[index] : a.child_starts[index + 1]].tolist()
+        ids = a.clients[a.client_starts[index] : a.client_starts[index + 1]].tolist()
+        return Shard(stage, index, tuple(kids), tuple(ids))
 
     def _check_clients(self, clients: Iterable[int]) -> set[int]:
         found = set()
@@ -240,8 +298,8 @@ class ShardTree:
         """
         self._check_clients([client])
         path, index = [], client
-        for stage, parents in enumerate(self._parents, start=1):
-            index = parents[index]
+        for stage, a in enumerate(self._arrays[1:], start=1):
+            index = int(a.parents[index])
             path.append((stage, index))
         return path
 
@@ -258,11 +316,11 @@ class ShardTree:
         Raises:
             UnlearningRequestError: If an id is not a client of this tree.
         """
-        current = self._check_clients(leaving)
+        current = np.array(sorted(self._check_clients(leaving)), dtype=np.int64)
         result: dict[int, list[int]] = {}
-        for stage, parents in enumerate(self._parents, start=1):
-            current = {parents[i] for i in current}
-            result[stage] = sorted(current)
+        for stage, a in enumerate(self._arrays[1:], start=1):
+            current = np.unique(a.parents[current])
+            result[stage] = current.tolist()
         return result
 
     def remaining_clients(self, stage: int, index: int, leaving: Iterable[int]) -> tuple[int, ...]:
@@ -284,7 +342,9 @@ class ShardTree:
             "version": _FORMAT_VERSION,
             "num_clients": self._num_clients,
             "merge_rate": self._merge_rate,
-            "stages": [[list(s.children) for s in stage] for stage in self._stages[1:]],
+            "stages": [
+                [list(s.children) for s in self._stage_shards(p)] for p in range(1, len(self._arrays))
+            ],
         }
 
     @classmethod
@@ -325,28 +385,7 @@ class ShardTree:
         Args:
             max_clients_shown: Most ids or ranges of ids printed per shard before ``...``.
         """
-        header = (
-            f"ShardTree: {self._num_clients} clients, merge_rate {self._merge_rate}, "
-            f"{self.num_stages}/{self._planned} stages"
-        )
-        lines = [header]
-
-        def visit(stage: int, index: int, depth: int) -> None:
-            shard = self._stages[stage][index]
-            ids = _format_ids(shard.clients, max_clients_shown)
-            n = len(shard.clients)
-            noun = "client" if n == 1 else "clients"
-            lines.append(f"{'  ' * depth}stage {stage} shard {index} (clients {ids}, {n} {noun})")
-            if stage > 1:
-                for child in shard.children:
-                    visit(stage - 1, child, depth + 1)
-
-        if self.num_stages == 0:
-            lines.append(f"stage 0: {self._num_clients} leaf shards, one per client")
-        else:
-            for index in range(len(self._stages[-1])):
-                visit(self.num_stages, index, 0)
-        return "\n".join(lines)
+        return draw_tree(self, max_clients_shown)
 
     # ------------------------------------------------------------------ dunder
 
@@ -356,7 +395,8 @@ class ShardTree:
         return (
             self._num_clients == other._num_clients
             and self._merge_rate == other._merge_rate
-            and self._stages == other._stages
+            and len(self._arrays) == len(other._arrays)
+            and all(a.same(b) for a, b in zip(self._arrays, other._arrays))
         )
 
     __hash__ = None  # type: ignore[assignment]  # mutable: add_stage changes it
@@ -366,22 +406,3 @@ class ShardTree:
             f"ShardTree(num_clients={self._num_clients}, merge_rate={self._merge_rate}, "
             f"stages={self.num_stages}/{self._planned})"
         )
-
-
-def _format_ids(ids: Sequence[int], max_shown: int) -> str:
-    """Compress sorted ids into ``0-3, 7, 9-12`` and cut the list after ``max_shown`` items."""
-    runs: list[str] = []
-    start = prev = None
-    for c in ids:
-        if start is None:
-            start = prev = c
-        elif c == prev + 1:
-            prev = c
-        else:
-            runs.append(f"{start}-{prev}" if prev != start else f"{start}")
-            start = prev = c
-    if start is not None:
-        runs.append(f"{start}-{prev}" if prev != start else f"{start}")
-    if len(runs) > max(max_shown, 1):
-        runs = [*runs[: max(max_shown, 1)], "..."]
-    return ", ".join(runs)

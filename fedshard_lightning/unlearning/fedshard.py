@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, Literal
 
 import torch
@@ -253,12 +254,12 @@ class FedShard(ShardCosts, ShardCache, Algorithm):
             rounds = self.round_policy.rounds(stage, children_alphas)
             records = [
                 ShardRecord(
-                    children=list(sh.children),
-                    clients=list(sh.clients),
+                    children=sh.children,
+                    clients=sh.clients,
                     weight=float(sum(prev_weights[c] for c in sh.children)),
                     alpha=0.0,
                     rounds=int(rounds[i]),
-                    remaining=list(sh.clients),
+                    remaining=sh.clients,
                 )
                 for i, sh in enumerate(shards)
             ]
@@ -314,18 +315,14 @@ class FedShard(ShardCosts, ShardCache, Algorithm):
     # -- costs ------------------------------------------------------------------------------------
     def _replay(self, gone: set[int], only: dict[int, list[int]] | None) -> tuple[list, list, int, list]:
         """Recompute shards bottom-up without ``gone``: the listed ones (``only``) or all of them."""
-        records = [[ShardRecord(**{**r.to_dict()}) for r in recs] for recs in self.records]
+        records = [[replace(r) for r in recs] for recs in self.records]
         models = [dict(m) for m in self.models]
         steps = 0
         retrained = []
-        for p in range(1, len(records) + 1):
+        for p, (weights, hit) in enumerate(self.live_shards(len(records), gone), start=1):
             recs = records[p - 1]
-            for rec in recs:
-                rec.remaining = [c for c in rec.clients if c not in gone]
-                if p == 1:
-                    rec.weight = float(sum(self._client_weight(c) for c in rec.remaining))
-                else:
-                    rec.weight = float(sum(records[p - 2][ch].weight for ch in rec.children))
+            for i, rec in enumerate(recs):
+                rec.remaining, rec.weight = hit.get(i, rec.clients), weights[i]
             idx = [
                 i for i in range(len(recs)) if (only is None or i in only.get(p, ())) and not recs[i].empty
             ]

@@ -6,7 +6,9 @@ gives :class:`~fedshard_lightning.unlearning.fedshard.FedShard` its ``cache_file
 ``cache_stacks`` / ``restore_cache`` (FLCache format 2): one stack ``stage_<p>`` per stage (one blob
 per shard model), and the frozen structure of each stage (children, alpha, rounds) as one
 ``structure_<p>.safetensors`` that every later version shares. Clients, remaining clients and
-weights are not stored: they follow from the tree, the unlearned clients and the client weights.
+weights are not stored: they follow from the tree, the unlearned clients and the client weights,
+computed on the tree's per-stage arrays (a record's client tuples come from one ``tolist`` of its
+stage, and the shards that no unlearned client touched share one tuple for clients and remaining).
 
 Which shards changed is part of the state (``changed``: stage -> changed rows, ``None`` for a whole
 new stage), declared by ``fit`` and ``unlearn``; the trainer's commit then writes only those rows
@@ -18,11 +20,13 @@ result the same either way).
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterable
+import contextlib
+import gc
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -37,12 +41,12 @@ __all__ = ["ShardCache", "ShardRecord"]
 class ShardRecord:
     """What FLCache keeps of a shard besides its model."""
 
-    children: list[int]
-    clients: list[int]
+    children: tuple[int, ...]
+    clients: tuple[int, ...]
     weight: float
     alpha: float
     rounds: int
-    remaining: list[int]
+    remaining: tuple[int, ...]
 
     @property
     def empty(self) -> bool:
@@ -52,24 +56,24 @@ class ShardRecord:
     def to_dict(self) -> dict[str, Any]:
         """JSON form."""
         return {
-            "children": self.children,
-            "clients": self.clients,
+            "children": list(self.children),
+            "clients": list(self.clients),
             "weight": self.weight,
             "alpha": self.alpha,
             "rounds": self.rounds,
-            "remaining": self.remaining,
+            "remaining": list(self.remaining),
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ShardRecord:
         """Inverse of :meth:`to_dict`."""
         return cls(
-            [int(c) for c in d["children"]],
-            [int(c) for c in d["clients"]],
+            tuple(int(c) for c in d["children"]),
+            tuple(int(c) for c in d["clients"]),
             float(d["weight"]),
             float(d["alpha"]),
             int(d["rounds"]),
-            [int(c) for c in d["remaining"]],
+            tuple(int(c) for c in d["remaining"]),
         )
 
 
@@ -155,33 +159,58 @@ class ShardCache:
         self._committed = (str(cache.root), version, dict(enumerate(self.models, start=1)))
         self.changed = {}
 
-    def _records_from(self, structures: list[dict[str, Tensor]], gone: set[int]) -> list[list[ShardRecord]]:
-        """Records of every stage from the frozen structure, the tree and the unlearned clients.
+    def live_shards(
+        self, stages: int, gone: Iterable[int]
+    ) -> list[tuple[list[float], dict[int, tuple[int, ...]]]]:
+        """Per stage ``1..stages``: the shards' merge weights without ``gone``, and who remains where it hit.
 
-        Remaining clients and weights are recomputed exactly as ``_replay`` does after a request
-        (weights are sums of integer-valued client weights, so the order of summation is exact).
+        The remaining clients are listed only for the shards that lost one (the others keep all).
+        Vectorized on the tree's arrays; weights are sums of integer-valued client weights, so
+        summing them in client (or child) index order gives the bits of ``_replay``'s sums.
         """
-        stages = self.tree.stages
+        k = self.num_clients
+        w = np.ones(k) if self.merge_weighting == "clients" else np.asarray(self._sizes, dtype=np.float64)
+        dead = np.array(sorted({int(c) for c in gone}), dtype=np.int64)
+        w[dead] = 0.0
+        out, prev = [], w
+        for p in range(1, stages + 1):
+            a = self.tree.stage_arrays(p)
+            owner = a.owner()
+            weights = np.bincount(owner if p == 1 else a.parents, weights=prev, minlength=a.size)
+            hit = {}
+            for s in np.unique(owner[dead]).tolist():
+                ids = a.clients[a.client_starts[s] : a.client_starts[s + 1]]
+                hit[s] = tuple(ids[~np.isin(ids, dead)].tolist())
+            out.append((weights.tolist(), hit))
+            prev = weights
+        return out
+
+    def _records_from(self, structures: list[dict[str, Tensor]], gone: set[int]) -> list[list[ShardRecord]]:
+        """Records of every stage from the frozen structure, the tree and the unlearned clients."""
         records: list[list[ShardRecord]] = []
-        for p, st in enumerate(structures, start=1):
+        for p, (st, (weights, hit)) in enumerate(zip(structures, self.live_shards(len(structures), gone)), 1):
             alpha, rounds = st["alpha"].tolist(), st["rounds"].tolist()
-            shards = stages[p]
-            if len(alpha) != len(shards) or len(rounds) != len(shards):
-                raise ValueError(f"structure of stage {p}: {len(alpha)} shards, the tree has {len(shards)}")
+            a = self.tree.stage_arrays(p)
+            if len(alpha) != a.size or len(rounds) != a.size:
+                raise ValueError(f"structure of stage {p}: {len(alpha)} shards, the tree has {a.size}")
+            ids, cs = a.clients.tolist(), a.client_starts.tolist()
+            kids, ks = a.children.tolist(), a.child_starts.tolist()
             recs = []
-            for i, sh in enumerate(shards):
-                remaining = [c for c in sh.clients if c not in gone] if gone else list(sh.clients)
-                if p == 1:
-                    weight = float(sum(self._client_weight(c) for c in remaining))
-                else:
-                    weight = float(sum(records[-1][ch].weight for ch in sh.children))
+            for i in range(a.size):
+                clients = tuple(ids[cs[i] : cs[i + 1]])
+                children = tuple(kids[ks[i] : ks[i + 1]])
                 recs.append(
-                    ShardRecord(
-                        list(sh.children), list(sh.clients), weight, alpha[i], int(rounds[i]), remaining
-                    )
+                    ShardRecord(children, clients, weights[i], alpha[i], int(rounds[i]), hit.get(i, clients))
                 )
             records.append(recs)
         return records
+
+    def restore_structure(self, structures: list[dict[str, Tensor]], gone: set[int]) -> None:
+        """The tree and the records from each stage's frozen structure (children as ranges of one array)."""
+        arrays = [(st["children"].numpy(), st["offsets"].numpy()) for st in structures]
+        with _gc_paused():
+            self.tree = ShardTree.from_arrays(self.num_clients, self.merge_rate, arrays)
+            self.records = self._records_from(structures, gone)
 
     def restore_cache(self, cache: FLCache, manifest: dict[str, Any], device: torch.device) -> None:
         """Restore the tree and the records from the frozen structure, and every stage's shard models."""
@@ -197,19 +226,7 @@ class ShardCache:
         ]
         gone = {int(c) for c in manifest.get("unlearned", [])}
         try:
-            children = []
-            for st in structures:
-                flat, offsets = st["children"].tolist(), st["offsets"].tolist()
-                children.append([flat[a:b] for a, b in itertools.pairwise(offsets)])
-            self.tree = ShardTree.from_dict(
-                {
-                    "version": 1,
-                    "num_clients": self.num_clients,
-                    "merge_rate": self.merge_rate,
-                    "stages": children,
-                }
-            )
-            self.records = self._records_from(structures, gone)
+            self.restore_structure(structures, gone)
         except (KeyError, TypeError, ValueError) as e:
             raise CacheError(f"{cache.root}: the cached tree is malformed ({e})") from None
         self.models = [
@@ -224,6 +241,22 @@ class ShardCache:
     def resumable(self, manifest: dict[str, Any]) -> bool:
         """A partial fit continues after its last complete stage."""
         return manifest.get("stages_done") is not None
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """No cyclic GC while ~K records and their tuples are built.
+
+    They all stay alive, so each collection would rescan the whole heap for nothing (0.55 s
+    of CPU instead of 0.16 s for the tree and records at K = 65,536).
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _same_tensors(a: Any, b: Any) -> bool:

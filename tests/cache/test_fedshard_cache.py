@@ -7,7 +7,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "unlearning"))
 
-from _fedshard_helpers import audit, fit, loaded, unlearn
+from _fedshard_helpers import audit, fit, loaded, make, unlearn
 
 from fedshard_lightning.cache import FLCache
 
@@ -65,3 +65,27 @@ def test_the_state_declares_the_changed_shards_and_the_commit_writes_only_those(
     other.load_state_dict(state)
     other._committed = None
     assert all(st.rows is None for st in other.cache_stacks(cache).values())
+
+
+def test_records_loaded_from_the_cache_equal_those_the_request_left_in_memory(run_root: Path) -> None:
+    """The load rebuilds clients, remaining clients and weights from the tree's arrays, bit for bit."""
+    kw = dict(
+        k=9,
+        merge_rate=3,
+        merge_weighting="samples",
+        data_kw=dict(partition="dirichlet", rho=0.5, min_client_size=4),
+    )
+    run = fit(run_root, **kw)
+    trainer, model, dm = make(run_root, **kw)
+    trainer.unlearn(model, dm, str(run), [2, 7])
+    after = trainer.algorithm
+    again = loaded(run_root, run, **kw)
+    assert again.tree == after.tree
+    assert again.records == after.records  # dataclass equality: every field, weights as floats
+    assert any(r.remaining != r.clients for recs in again.records for r in recs)
+    assert all(
+        r.remaining is r.clients
+        for recs in again.records
+        for r in recs
+        if 2 not in r.clients and 7 not in r.clients
+    )
