@@ -325,7 +325,6 @@ class FederatedTrainer:
                 engine is batch-invariant (docs/unlearning.md).
         """
         tolerance = check_tolerance(tolerance)
-        self.enable_progress_bar = False
         with run_lock(existing_run_dir(ckpt_path, "audit")):
             self._load_run(model, datamodule, ckpt_path, "audit")
             return run_audit(self, tolerance)
