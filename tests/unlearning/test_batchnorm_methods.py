@@ -15,6 +15,7 @@ from _models import BNDropoutCNN
 from fedshard_lightning.cache import load_tensors
 from fedshard_lightning.data import SyntheticDataModule
 from fedshard_lightning.engine import FederatedEngine, Group, LocalSchedule, stack_params
+from fedshard_lightning.engine.local_layers import local_layer_names
 from fedshard_lightning.errors import ConfigError
 from fedshard_lightning.models import MLP
 from fedshard_lightning.module import bind_model
@@ -94,16 +95,14 @@ def test_batchnorm_model_fits_and_unlearns_with_every_method(tmp_path, method):
 
 
 # -- FedBN ---------------------------------------------------------------------------------------
-def _engine(local_names_mode: str):
+def _engine(local_bn: str):
     dm = _data()
     dm.setup()
     m = _model()
     bind_model(m, dm.input_shape, dm.num_classes)
     m = m.double()
     eng = FederatedEngine(m, dm, LocalSchedule(batch_size=7, local_epochs=2), seed=1, vectorize="always")
-    from fedshard_lightning.engine.local_layers import local_layer_names
-
-    eng.local_names = local_layer_names(m, local_names_mode, eng.names)
+    eng.local_names = local_layer_names(m, local_bn, eng.names)
     return eng
 
 
