@@ -338,6 +338,7 @@ class FederatedTrainer:
             # A run's deployed model is the cache's current one: load the cache (checksums verified),
             # repair a stale or damaged model.safetensors from it, and evaluate what the cache holds.
             with run_lock(run_dir):
+                FLCache(run_dir / "cache").verify()  # every blob of the version it reports, read or not
                 self._load_run(model, datamodule, str(run_dir), "test")
                 return self._test_metrics(self.algorithm.current_params(), weights)
         self._setup(model, datamodule, run_dir, "test")  # a model file: its hash, names, shapes and dtypes
