@@ -76,15 +76,18 @@ class Verification:
             if pruned:
                 continue
             for d in set(digests):
-                self._verify_blob(d)
+                self._verify_blob(d, f"a row of stack {name} of version {version}")
         if not pruned:
-            for digest in manifest.get("files", {}).values():
-                self._verify_blob(digest)
+            for fname, digest in manifest.get("files", {}).items():
+                self._verify_blob(digest, f"{fname} of version {version}")
 
-    def _verify_blob(self, digest: str) -> None:
+    def _verify_blob(self, digest: str, what: str) -> None:
         path = self.blob_path(digest)
         if not path.is_file() or sha256_file(path) != digest:
-            raise CacheError(f"cache file {path} is missing or corrupted (checksum mismatch)")
+            raise CacheError(
+                f"cache file {path} ({what}) is missing or corrupted (checksum mismatch); restore the run "
+                "directory from a backup"
+            )
 
     def history(self) -> list[str]:
         """Versions on the chain from ``CURRENT`` back to the first commit, each manifest checked, newest first."""

@@ -97,7 +97,7 @@ class RunStore:
 
         Args:
             resume: Whether this is ``fit --ckpt_path``.
-            body: :func:`~fedshard_lightning.fingerprint.fingerprint_body` of the configured run.
+            body: :func:`~fedshard_lightning.fingerprint.readable_body` of the configured run.
         """
         path = self.cache.root / "FINGERPRINT"
         body = json.loads(json.dumps(body, sort_keys=True, default=str))

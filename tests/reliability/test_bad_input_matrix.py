@@ -378,6 +378,9 @@ CASES: dict[str, Case] = {
             )
         ),
     ),
+    "flip_unread_blob_test": Case(
+        on("test"), "client_sizes", _flip(lambda r: _cache(r).path_of("client_sizes.safetensors"))
+    ),
     "flip_theta0_verify": Case(cache_cmd("verify"), "corrupted", _flip(_theta0_blob)),
     # -- truncated files
     "truncate_current": Case(U, "CURRENT", _truncate(lambda r: r / "cache" / "CURRENT")),
