@@ -268,17 +268,14 @@ class LocalTrainer:
         chain = self._chain
         spec = self.spec_at(batch.round)
         fused = fused_sgd_lr(spec) if chain is not None else None
-        # Plain SGD in the chain kernel updates in place (no optimizer); only autograd steps read
-        # the module's shared buffers and the clients' random keys. Fixed per-round costs matter
-        # when a round trains one or two clients (unlearning's lower stages).
+        # Fused SGD needs no optimizer; only autograd steps read shared buffers and random keys (a
+        # round's fixed cost matters when it trains one or two clients: unlearning's lower stages).
         opt = spec.build(leaves, _PREFIX) if fused is None else None
         buffers: dict[str, Tensor] = {}
-        keys_all = torch.zeros(0)
+        keys_all = torch.zeros(0)  # [S, m] in step order, for autograd steps
         if chain is None:
             buffers = {_PREFIX + n: b_ for n, b_ in self.module.named_buffers() if n not in self.buffer_names}
-            keys_all = torch.as_tensor(
-                np.ascontiguousarray(self.keys(batch, s_max)[order].T), device=device
-            )  # [S, m] in step order
+            keys_all = torch.as_tensor(np.ascontiguousarray(self.keys(batch, s_max)[order].T), device=device)
         loss_sum = torch.zeros(m_all, dtype=self.dtype, device=device)
         logs: dict[str, Tensor] = {}
         steps_sorted = steps[order]
