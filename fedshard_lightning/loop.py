@@ -10,6 +10,7 @@ algorithm.
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -206,8 +207,14 @@ def run_fit(trainer: Any, run_dir: Path, resume: bool, exclude: list[int]) -> di
     return metrics
 
 
-def launch_fabric(accelerator: str, devices: int | str, strategy: str, precision: str) -> L.Fabric:
-    """Create and launch Fabric (with ``strategy: ddp`` this starts the other processes)."""
+def launch_fabric(
+    accelerator: str, devices: int | str, strategy: str, precision: str, num_threads: int | None = None
+) -> L.Fabric:
+    """Create and launch Fabric (with ``strategy: ddp`` this starts the other processes).
+
+    Then the process-wide settings, once: the allocator, the intra-op thread count, and a one-line
+    warning on rank zero when the processes' threads oversubscribe the CPU.
+    """
     try:
         fabric = L.Fabric(accelerator=accelerator, devices=devices, strategy=strategy, precision=precision)
     except (ValueError, TypeError, RuntimeError, MisconfigurationException) as e:
@@ -216,7 +223,13 @@ def launch_fabric(accelerator: str, devices: int | str, strategy: str, precision
             f"trainer.strategy={strategy!r}, trainer.precision={precision!r}: {e}"
         ) from None
     fabric.launch()
-    configure_process(fabric.device)  # process-wide settings, once, at start-up
+    configure_process(fabric.device)
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    if fabric.is_global_zero and fabric.device.type == "cpu":
+        warning = numerics.oversubscription_warning(torch.get_num_threads() * fabric.world_size)
+        if warning:
+            sys.stderr.write(warning + "\n")
     return fabric
 
 

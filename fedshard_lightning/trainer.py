@@ -33,7 +33,6 @@ from fedshard_lightning.fingerprint import fingerprint, readable_body
 from fedshard_lightning.loggers import run_loggers, wandb_state
 from fedshard_lightning.loop import TrainerEvents, launch_fabric, load_run, run_fit
 from fedshard_lightning.module import bind_model, param_dtype
-from fedshard_lightning.numerics import oversubscription_warning
 from fedshard_lightning.requests import apply_request
 from fedshard_lightning.run_dir import existing_run_dir, new_run_dir, resume_hint, run_lock
 from fedshard_lightning.store import RunStore
@@ -177,13 +176,9 @@ class FederatedTrainer:
         """Create and launch Fabric once (with ``strategy: ddp`` this starts the other processes)."""
         if self.fabric is not None:
             return
-        self.fabric = launch_fabric(self.accelerator, self.devices, self.strategy, self.precision)
-        if self.num_threads is not None:
-            torch.set_num_threads(self.num_threads)
-        if self.fabric.is_global_zero and self.fabric.device.type == "cpu":
-            warning = oversubscription_warning(torch.get_num_threads() * self.fabric.world_size)
-            if warning:
-                sys.stderr.write(warning + "\n")
+        self.fabric = launch_fabric(
+            self.accelerator, self.devices, self.strategy, self.precision, self.num_threads
+        )
 
     def _setup(
         self, model: L.LightningModule, datamodule: FederatedDataModule, run_dir: Path, command: str

@@ -293,7 +293,8 @@ def test_interrupted_fit_prints_the_command_that_resumes_it(run_root, capsys):
 def test_num_threads_is_applied_and_oversubscription_warned():
     import torch
 
-    from fedshard_lightning.trainer import FederatedTrainer, oversubscription_warning
+    from fedshard_lightning.numerics import oversubscription_warning
+    from fedshard_lightning.trainer import FederatedTrainer
 
     before = torch.get_num_threads()
     trainer = FederatedTrainer(num_threads=1)
