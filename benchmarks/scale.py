@@ -28,8 +28,13 @@ K + P models (Appendix D, "space complexity": sum_p ceil(K / R^p) <= K + P), and
     python benchmarks/scale.py --requests 100    # cache growth over 100 single-client requests
     python benchmarks/scale.py --clients 256     # quick check
     python benchmarks/scale.py --profile /tmp/prof   # also cProfile every phase (top 25 printed)
-    python benchmarks/scale.py --clients 65536 --fixed-rounds 1 --samples-per-client 10 --fit-only --root R
-    python benchmarks/scale.py --clients 65536 --samples-per-client 10 --load-only --root R   # load timings
+
+A cheap K = 65,536 run to time its load (one round per shard, one step per client; ``a1_count``
+because the cost-aware ``a1`` is quadratic in stage 1's grouping; the load flags must match the fit's):
+
+    FLAGS="--clients 65536 --fixed-rounds 1 --samples-per-client 10 --merge a1_count --root R"
+    python benchmarks/scale.py $FLAGS --fit-only
+    python benchmarks/scale.py $FLAGS --load-only
 """
 
 from __future__ import annotations

@@ -73,9 +73,14 @@ def leaf_stage(num_clients: int) -> StageArrays:
 def grouping_error(children: np.ndarray, starts: np.ndarray, n_prev: int, rate: int) -> str | None:
     """Why ``(children, starts)`` is not a valid grouping of ``n_prev`` shards at rate ``rate``, or None.
 
-    Valid: exactly ``ceil(n_prev / rate)`` non-empty groups of at most ``rate`` children that
+    The arrays must be 1-d integer arrays. Valid: exactly ``ceil(n_prev / rate)`` non-empty groups of at most ``rate`` children that
     together name every previous shard exactly once (SPEC section 2).
     """
+    children, starts = np.asarray(children), np.asarray(starts)
+    if children.ndim != 1 or starts.ndim != 1 or len(starts) < 1:
+        return "needs 1-d children and offsets"
+    if children.dtype.kind not in "iu" or starts.dtype.kind not in "iu":
+        return "holds non-integer indices"
     expected = -(-n_prev // rate)
     n = len(starts) - 1
     if n != expected:

@@ -15,8 +15,7 @@ Departures from the paper and choices of ours:
 - Shard indices are 0-based; a shard's children keep the order its merge policy gave them, since
   the aggregation order of their models is part of what makes unlearning bit-exact.
 - Each stage is held as flat arrays (:mod:`~fedshard_lightning.sharding.stage_arrays`); the
-  :class:`Shard` objects are built only when asked for, so loading a cached tree of K = 65,536
-  clients does not build O(K P) Python tuples.
+  :class:`Shard` objects are built only when asked for (loading builds no O(K P) tuples).
 """
 
 from __future__ import annotations
@@ -175,10 +174,9 @@ class ShardTree:
     def from_arrays(
         cls, num_clients: int, merge_rate: int, stages: Sequence[tuple[np.ndarray, np.ndarray]]
     ) -> ShardTree:
-        """Rebuild a tree from each stage's ``(children, offsets)`` arrays, validated vectorized.
+        """The fast twin of :meth:`from_dict` for the cache, validated vectorized.
 
-        The fast twin of :meth:`from_dict` for the cache: shard ``s`` of a stage has the children
-        ``children[offsets[s]:offsets[s + 1]]``, in aggregation order.
+        Shard ``s`` of a stage has the children ``children[offsets[s]:offsets[s + 1]]`` in order.
 
         Raises:
             ValueError: If the arrays are not a valid (possibly partial) tree.
@@ -188,20 +186,17 @@ class ShardTree:
         except ValueError as err:
             raise ValueError(f"malformed shard tree: {err}") from err
         for children, offsets in stages:
-            stage = len(tree._arrays)
-            if tree.complete:
-                raise ValueError(f"malformed shard tree: stage {stage} comes after the root")
-            children = np.asarray(children)
-            offsets = np.asarray(offsets)
-            if children.ndim != 1 or offsets.ndim != 1 or len(offsets) < 1:
-                raise ValueError(f"malformed shard tree: stage {stage} needs 1-d children and offsets")
-            if children.dtype.kind not in "iu" or offsets.dtype.kind not in "iu":
-                raise ValueError(f"malformed shard tree: stage {stage} holds non-integer indices")
-            children, offsets = children.astype(np.int64), offsets.astype(np.int64)
-            error = grouping_error(children, offsets, tree._arrays[-1].size, merge_rate)
+            stage, prev = len(tree._arrays), tree._arrays[-1]
+            error = (
+                "comes after the root"
+                if tree.complete
+                else grouping_error(children, offsets, prev.size, merge_rate)
+            )
             if error is not None:
                 raise ValueError(f"malformed shard tree: stage {stage} {error}")
-            tree._arrays.append(next_stage(tree._arrays[-1], children, offsets))
+            tree._arrays.append(
+                next_stage(prev, np.asarray(children, np.int64), np.asarray(offsets, np.int64))
+            )
             tree._shards.append(None)
         return tree
 
@@ -220,11 +215,7 @@ class ShardTree:
         return shards
 
     def stage_arrays(self, stage: int) -> StageArrays:
-        """Stage ``stage`` as flat read-only arrays (children and clients as ranges).
-
-        Raises:
-            IndexError: If there is no such stage.
-        """
+        """Stage ``stage`` as flat read-only arrays (children and clients as ranges); IndexError if none."""
         if not 0 <= stage < len(self._arrays):
             raise IndexError(f"stage {stage} not in range 0..{self.num_stages}")
         return self._arrays[stage]
