@@ -9,6 +9,7 @@ scored in O(1) from running sums by the M_e of the predicted per-client unlearni
 from __future__ import annotations
 
 import heapq
+from collections import deque
 
 import numpy as np
 
@@ -18,13 +19,30 @@ __all__ = ["CostFiller", "CostPool"]
 
 
 class CostPool:
-    """A cluster's unplaced shards for the cost-aware filler."""
+    """A cluster's unplaced shards for the cost-aware filler.
+
+    Shards with equal sums (at stage 1 every leaf of one client size, thousands of them) get equal
+    scores, so the filler scores each distinct row once: it indexes the pool on first use into
+    classes of equal rows, each a queue ordered by the tie-break (``|alpha|``, then the seeded
+    rank). A placement then costs O(distinct rows), not O(shards) in Python.
+    """
 
     def __init__(self, members: list[int]) -> None:
-        self.members = list(members)
+        self.initial = list(members)
+        self.left = len(self.initial)
+        self.class_rows: np.ndarray | None = None  # [U, 6] distinct child rows
+        self.queues: list[deque[int]] = []  # per class, its unplaced shards in tie-break order
+        self.alive = np.zeros(0, dtype=bool)  # per class: shards left
 
     def __bool__(self) -> bool:
-        return bool(self.members)
+        return self.left > 0
+
+    @property
+    def members(self) -> list[int]:
+        """The unplaced shards, ascending."""
+        if self.class_rows is None:
+            return sorted(self.initial)
+        return sorted(i for q in self.queues for i in q)
 
 
 class CostFiller:
@@ -101,7 +119,10 @@ class CostFiller:
 
     def scores(self, g: int, candidates: np.ndarray) -> np.ndarray:
         """Predicted M_e after adding each candidate to group ``g``."""
-        rows = self.child[candidates]
+        return self._row_scores(g, self.child[candidates])
+
+    def _row_scores(self, g: int, rows: np.ndarray) -> np.ndarray:
+        """Predicted M_e after adding a child with each of these sums to group ``g``."""
         merged = self.gsum[g] + rows
         new_total = (
             self.total
@@ -113,15 +134,38 @@ class CostFiller:
         m = (self.unplaced_b - rows[:, 5]) / left if left > 0 else np.zeros(len(rows))
         return self._m_e(new_total, m)
 
+    def _index(self, pool: CostPool) -> None:
+        """Split the pool into classes of equal child rows, each queued by (``|alpha|``, rank)."""
+        members = np.asarray(pool.initial, dtype=np.int64)
+        rows = self.child[members]
+        pool.class_rows, inverse = np.unique(rows, axis=0, return_inverse=True)
+        inverse = np.asarray(inverse).reshape(-1)
+        order = np.lexsort((self.rank[members], np.abs(self.a[members]), inverse))
+        pool.queues = [deque() for _ in range(len(pool.class_rows))]
+        for pos in order.tolist():
+            pool.queues[int(inverse[pos])].append(int(members[pos]))
+        pool.alive = np.ones(len(pool.class_rows), dtype=bool)
+
     def place(self, pool: CostPool) -> None:
         """Give the next group (fewest children, lowest index) the candidate of lowest predicted M_e."""
         size, g = heapq.heappop(self.heap)
-        cand = np.asarray(pool.members, dtype=np.int64)
-        sc = self.scores(g, cand)
+        if pool.class_rows is None:
+            self._index(pool)
+        live = np.flatnonzero(pool.alive)
+        sc = self._row_scores(g, pool.class_rows[live])
         best = sc.min()
-        tied = cand[sc <= best + 1e-9 * max(1.0, abs(best))]
-        i = int(min(tied, key=lambda j: (abs(float(self.a[j])), int(self.rank[j]))))
-        pool.members.remove(i)
+        tied = live[sc <= best + 1e-9 * max(1.0, abs(best))]
+        heads = [pool.queues[c][0] for c in tied.tolist()]  # each class's first in tie-break order
+        pick = min(range(len(heads)), key=lambda t: (abs(float(self.a[heads[t]])), int(self.rank[heads[t]])))
+        c = int(tied[pick])
+        i = pool.queues[c].popleft()
+        if not pool.queues[c]:
+            pool.alive[c] = False
+        pool.left -= 1
+        self.add(size, g, i)
+
+    def add(self, size: int, g: int, i: int) -> None:
+        """Put shard ``i`` into group ``g`` (which had ``size`` children) and update the running sums."""
         row = self.child[i]
         self.total = (
             self.total

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import fedshard_lightning.sharding.merging as merging
 from fedshard_lightning.metrics import efficiency_fairness
 from fedshard_lightning.sharding import (
     A1Merge,
@@ -264,3 +266,58 @@ def test_cost_allocation_with_a2_rounds_beats_count_balancing() -> None:
         by_count = a1_grouping(alphas, counts, rate, case, n_init=2)
         ratios.append(obj.value(by_cost, obj.rounds(by_cost)) / obj.value(by_count, obj.rounds(by_count)))
     assert np.mean(ratios) < 0.8
+
+
+# ---------------------------------------------------------------------- classes of equal shards
+
+
+class _ListPool:
+    """The plain pool: a list of unplaced shards."""
+
+    def __init__(self, members: list[int]) -> None:
+        self.members = list(members)
+
+    def __bool__(self) -> bool:
+        return bool(self.members)
+
+
+class _OneByOneFiller(CostFiller):
+    """allocateChildShard as first written: every candidate scored on its own, ties by (|alpha|, rank)."""
+
+    def place(self, pool: _ListPool) -> None:
+        size, g = heapq.heappop(self.heap)
+        scores = [float(self.scores(g, np.asarray([j]))[0]) for j in pool.members]
+        best = min(scores)
+        tied = [j for j, sc in zip(pool.members, scores) if sc <= best + 1e-9 * max(1.0, abs(best))]
+        i = min(tied, key=lambda j: (abs(float(self.a[j])), int(self.rank[j])))
+        pool.members.remove(i)
+        self.add(size, g, i)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(2, 60),
+    rate=st.integers(2, 5),
+    seed=st.integers(0, 2**32 - 1),
+    sizes=st.integers(1, 3),
+    zero_alpha=st.booleans(),
+)
+def test_pool_classes_choose_like_scoring_every_candidate(
+    n: int, rate: int, seed: int, sizes: int, zero_alpha: bool
+) -> None:
+    """Many shards share their sums (equal client sizes): scoring each distinct row once picks the same."""
+    rng = np.random.default_rng(seed)
+    owners = np.repeat(np.arange(n), rng.integers(1, sizes + 1, size=n))
+    k = len(owners)
+    clients = [np.flatnonzero(owners == j).tolist() for j in range(n)]
+    steps = rng.integers(1, 3, size=k)  # few distinct values: many equal rows
+    costs = StageCosts(clients, steps, np.zeros(k), 3.0, 2.0 * steps)
+    alphas = np.zeros(n) if zero_alpha else rng.choice([-0.5, 0.0, 0.5], size=n)
+    got = a1_grouping(alphas, [len(c) for c in clients], rate, seed, costs=costs)
+    saved = merging.CostFiller, merging.CostPool
+    merging.CostFiller, merging.CostPool = _OneByOneFiller, _ListPool
+    try:
+        want = a1_grouping(alphas, [len(c) for c in clients], rate, seed, costs=costs)
+    finally:
+        merging.CostFiller, merging.CostPool = saved
+    assert got == want
