@@ -91,8 +91,10 @@ class LocalSchedule:
         s_max = int(steps.max()) if m else 0
         pos = np.zeros((m, s_max, b), dtype=np.int64)
         pos[owner, step, slot] = perm
-        sizes = np.zeros((m, s_max), dtype=np.int64)
-        np.add.at(sizes, (owner, step), 1)
+        # Step s of a client is batch s % per_epoch of an epoch: the rest of its n samples, at most b.
+        s_idx = np.arange(s_max, dtype=np.int64)
+        full = np.minimum(b, n[:, None] - (s_idx % per_epoch[:, None]) * b)
+        sizes = np.where(s_idx < steps[:, None], full, 0)
         return pos, sizes, steps
 
     def batches(

@@ -61,3 +61,27 @@ def test_keyed_bits_depend_on_every_key_field():
 def test_mix64_is_a_bijection_on_a_sample():
     z = np.arange(100_000, dtype=np.uint64)
     assert len(np.unique(mix64(z))) == len(z)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 40), min_size=1, max_size=8),
+    b=st.integers(1, 9),
+    epochs=st.integers(1, 3),
+    steps=st.one_of(st.none(), st.integers(1, 12)),
+)
+def test_plan_batch_sizes_equal_a_plain_loop_over_epochs(sizes, b, epochs, steps):
+    """Batch sizes (computed by formula, not by counting the plan's draws) against a plain loop."""
+    sched = LocalSchedule(batch_size=b, local_epochs=epochs, local_steps=steps)
+    n = np.array(sizes)
+    pos, sz, n_steps = sched.plan(n, 0, 1, np.zeros(len(sizes), dtype=np.int64), 0, np.arange(len(sizes)))
+    for i, ni in enumerate(sizes):
+        want: list[int] = []
+        while ni and len(want) < (steps if steps is not None else epochs * -(-ni // b)):
+            want += [min(b, ni - lo) for lo in range(0, ni, b)]  # one epoch's batches
+        want = want[: steps if steps is not None else len(want)]
+        assert sz[i].tolist() == want + [0] * (sz.shape[1] - len(want)), (i, ni)
+        assert n_steps[i] == len(want)
+        # every real slot of a batch holds a sample of the client; padding stays 0
+        for s, k in enumerate(want):
+            assert (pos[i, s, k:] == 0).all() and (pos[i, s, :k] < ni).all()
