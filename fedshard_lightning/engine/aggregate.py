@@ -13,6 +13,7 @@ Python loop of the same rule.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -58,23 +59,12 @@ class GroupSums:
         for k, v in like.items():
             kinds.setdefault(v.dtype, []).append(k)
         self.kinds = list(kinds.values())
-        first = [like[names[0]] for names in self.kinds]
-        n_groups = len(self.count)
+        self.shapes = {k: v.shape[1:] for k, v in like.items()}
+        self.numel = {k: math.prod(v.shape[1:]) for k, v in like.items()}
         self.flat = [
-            f.new_zeros((n_groups, sum(like[k][0].numel() for k in names)))
-            for f, names in zip(first, self.kinds)
+            like[names[0]].new_zeros((len(self.count), sum(self.numel[k] for k in names)))
+            for names in self.kinds
         ]
-        self.acc: dict[str, Tensor] = {}
-        for flat, names in zip(self.flat, self.kinds):
-            off = 0
-            for k in names:
-                n = like[k][0].numel()
-                self.acc[k] = (
-                    flat[:, off : off + n].unflatten(1, like[k].shape[1:])
-                    if like[k].ndim > 1
-                    else flat[:, off]
-                )
-                off += n
 
     def add(self, params: dict[str, Tensor], weights: Tensor, owners: Sequence[int]) -> None:
         """Add the next rows of the round, in participant order.
@@ -136,24 +126,25 @@ class GroupSums:
 
     def totals(self) -> dict[str, Tensor]:
         """The per-group sums [G, ...] by name (every row must have been added)."""
-        if self._carry is not None:
-            raise RuntimeError("GroupSums.totals before every participant was added")
-        return self.acc
+        return self._split(self.flat)
 
     def averages(self, rows: Tensor, weight: Tensor) -> dict[str, Tensor]:
         """Rows ``rows`` of the sums divided by ``weight`` [len(rows)] (cast to each dtype), by name.
 
         One division per dtype over the flat sums; element-wise, so the bits of a division per tensor.
         """
+        return self._split([f.index_select(0, rows) / weight.to(f).unsqueeze(1) for f in self.flat])
+
+    def _split(self, flats: list[Tensor]) -> dict[str, Tensor]:
+        """Views by name of flat [n, D] matrices laid out like the sums."""
         if self._carry is not None:
-            raise RuntimeError("GroupSums.averages before every participant was added")
+            raise RuntimeError("GroupSums read before every participant was added")
         out: dict[str, Tensor] = {}
-        for flat, names in zip(self.flat, self.kinds):
-            avg = flat.index_select(0, rows) / weight.to(flat).unsqueeze(1)
+        for flat, names in zip(flats, self.kinds):
+            off = 0
             for k in names:
-                v = self.acc[k]
-                start = v.storage_offset() - flat.storage_offset()
-                out[k] = avg[:, start : start + v[0].numel()].reshape(len(rows), *v.shape[1:])
+                out[k] = flat[:, off : off + self.numel[k]].reshape(len(flat), *self.shapes[k])
+                off += self.numel[k]
         return out
 
 

@@ -109,6 +109,7 @@ class FederatedEngine:
         self.policy: ParticipantPolicy = KeyedSampling(self.client_fraction, self.seed)
         self._cuda = next(module.parameters()).device.type == "cuda"  # asked every round: once
         self._sum_plans: dict = {}  # GroupSums' block plans, by chunk layout (aggregate.py)
+        self._block: tuple[tuple, int | None] | None = None
 
     # -- parameters ------------------------------------------------------------------------------
     def with_optimizer(self, spec: OptimizerSpec) -> FederatedEngine:
@@ -226,11 +227,13 @@ class FederatedEngine:
         if not self.batch_invariant and not self.local.compiled:
             return None
         self.local.program()
-        cuda = self._cuda
-        fx = self.local.kernel_choice.kernel in (Kernel.CHAIN, Kernel.FX)
-        if not cuda and fx and self.local.conv_mode == "per_client" and not self.local.compiled:
-            return None
-        return 64 if cuda else 8  # constant: a block that followed the chunk size would vary with it
+        key = (self.local.kernel_choice, self.local.conv_mode, self.local.compiled)
+        if self._block is None or self._block[0] != key:  # asked every round: decided once
+            fx = key[0].kernel in (Kernel.CHAIN, Kernel.FX)
+            free = not self._cuda and fx and key[1] == "per_client" and not key[2]
+            # constant: a block that followed the chunk size would vary with it
+            self._block = (key, None if free else 64 if self._cuda else 8)
+        return self._block[1]
 
     def _probe(self, start: dict[str, Tensor], batch: ClientBatch) -> str:
         """``vectorize: auto``: time both paths on this model (:func:`.path_choice.choose_path`)."""

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fedshard_lightning.engine.keys import keyed_uniform_bits
+from fedshard_lightning.engine.keys import client_keys, counter_bits
 from fedshard_lightning.errors import ConfigError
 
 __all__ = ["LocalSchedule"]
@@ -81,8 +81,9 @@ class LocalSchedule:
         within = np.arange(int(draws.sum()), dtype=np.int64) - np.repeat(np.cumsum(draws) - draws, draws)
         n_own = n[owner]
         epoch, rank = within // np.maximum(n_own, 1), within % np.maximum(n_own, 1)
-        bits = keyed_uniform_bits(
-            seed, stage, np.asarray(groups)[owner], round_, np.asarray(clients)[owner], within
+        # The key hash once per client, then per draw only its counter (bits as keyed_uniform_bits).
+        bits = counter_bits(
+            client_keys(seed, stage, np.asarray(groups), round_, np.asarray(clients))[owner], within
         )
         perm = rank[np.lexsort((bits, epoch, owner))]  # segments (client, epoch) keep their place
         step = epoch * per_epoch[owner] + rank // b
