@@ -283,6 +283,7 @@ class FederatedEngine:
         max_rounds = max((g.rounds for g in groups), default=0)
         dev = next(iter(state.values())).device
         dtype = state[self.names[0]].dtype
+        self.local.plans.clear()
         plans: dict[tuple, RoundPlan] = {}  # by participants: one plan for all rounds of the same ones
         for r in range(max_rounds):
             active = [i for i, g in enumerate(groups) if r < g.rounds and not stopped[i] and g.clients]
@@ -294,6 +295,10 @@ class FederatedEngine:
             plan = plans.get(key)
             if plan is None:
                 plan = plans[key] = RoundPlan.build(active, parts, G, self.sizes, self.chunk, dtype, dev)
+                if self.samples_everyone:  # the same clients until a group ends: plan those rounds together
+                    last = min(groups[i].rounds for i in active)
+                    for ch in plan.chunks:
+                        self.local.plans.expect(ch.clients, [groups[i].key for i in ch.owners], stage, last)
             sums = GroupSums(state, plan.counts, self._sum_plans)
             loss_sum = torch.zeros(G, dtype=torch.float64)
             step_count = np.zeros(G, dtype=np.int64)

@@ -29,6 +29,7 @@ from fedshard_lightning.engine.chain import StackedChain
 from fedshard_lightning.engine.client_loop import ClientBatch, LocalResult, run_client_loop
 from fedshard_lightning.engine.mixed_sizes import mixed_sizes_fixed, mixed_sizes_split
 from fedshard_lightning.engine.optim import OptimizerSpec, RoundLR, fused_sgd_lr, round_lr, shrink_optimizer
+from fedshard_lightning.engine.plan_ahead import BatchPlans
 from fedshard_lightning.engine.schedule import LocalSchedule
 from fedshard_lightning.engine.stacked import (
     ConvMode,
@@ -115,9 +116,7 @@ class LocalTrainer:
         self._compiled: dict[str, Any] = {}
         self.loop_uses_spec = False
         own = [ix.cpu().numpy().astype(np.int64) for ix in datamodule.client_indices]
-        self._client_len = np.array([len(o) for o in own], dtype=np.int64)
-        self._client_off = np.cumsum(self._client_len) - self._client_len
-        self._all_own = np.concatenate(own) if own else np.zeros(0, dtype=np.int64)
+        self.plans = BatchPlans(schedule, seed, own)  # keyed batches, planned ahead by the engine
 
     def _loss(
         self,
@@ -223,12 +222,7 @@ class LocalTrainer:
 
     def schedules(self, batch: ClientBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Global sample indices [m, S, B], batch sizes [m, S] and step counts [m] of the clients."""
-        cl = np.asarray(batch.clients, dtype=np.int64)
-        pos, sizes, steps = self.schedule.plan(
-            self._client_len[cl], self.seed, batch.stage, np.asarray(batch.groups), batch.round, cl
-        )
-        gidx = self._all_own[self._client_off[cl][:, None, None] + pos] if pos.size else pos
-        return gidx, sizes, steps
+        return self.plans(batch)
 
     # -- stacked ---------------------------------------------------------------------------------
     def train_stacked(

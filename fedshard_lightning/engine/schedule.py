@@ -41,13 +41,20 @@ class LocalSchedule:
             return self.local_steps
         return self.local_epochs * math.ceil(n / self.batch_size)
 
+    def plan_steps(self, n: np.ndarray) -> np.ndarray:
+        """Steps of clients with ``n`` samples in :meth:`plan` (0 for a client without samples)."""
+        n = np.asarray(n, dtype=np.int64)
+        if self.local_steps is None:
+            return self.local_epochs * -(-n // self.batch_size)
+        return np.where(n > 0, self.local_steps, 0).astype(np.int64)
+
     def plan(
         self,
         n: np.ndarray,
         seed: int,
         stage: int,
         groups: np.ndarray,
-        round_: int,
+        round_: int | np.ndarray,
         clients: np.ndarray,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The batches of many clients in one round, from the keyed hash (SPEC section 3).
@@ -60,7 +67,7 @@ class LocalSchedule:
             seed: Training seed.
             stage: Stage of the round.
             groups: Group key of every client.
-            round_: Round within the stage.
+            round_: Round within the stage (or one per client: rounds planned together).
             clients: Client ids.
 
         Returns:
@@ -70,10 +77,7 @@ class LocalSchedule:
         """
         n = np.asarray(n, dtype=np.int64)
         m, b = len(n), self.batch_size
-        if self.local_steps is None:
-            steps = self.local_epochs * -(-n // b)
-        else:
-            steps = np.where(n > 0, self.local_steps, 0).astype(np.int64)
+        steps = self.plan_steps(n)
         per_epoch = np.maximum(-(-n // b), 1)
         epochs = -(-steps // per_epoch)
         draws = n * epochs
