@@ -317,10 +317,11 @@ class FederatedEngine:
                         f"round {r}; a client's last batch); use a batch size that leaves no client one "
                         "sample, or nn.GroupNorm"
                     ) from None
-                self._check_finite(res, cl, ow, groups, stage, r)
+                losses = res.loss_sum.detach().cpu().double()  # one host copy: the check and the sums
+                self._check_finite(losses.numpy(), cl, ow, groups, stage, r)
                 local.keep(res.params, cl)
                 sums.add(res.params, ch.samples, ow)
-                loss_sum.index_add_(0, ch.owners_cpu, res.loss_sum.detach().cpu().double())
+                loss_sum.index_add_(0, ch.owners_cpu, losses)
                 step_count += np.bincount(ow, weights=res.steps, minlength=G).astype(np.int64)  # exact
                 self._add_logged(logged, res, ch)
                 if keep_client_params:
@@ -381,12 +382,12 @@ class FederatedEngine:
 
     @staticmethod
     def _check_finite(
-        res: LocalResult, clients: list[int], owner: list[int], groups: Sequence[Group], stage: int, r: int
+        losses: np.ndarray, clients: list[int], owner: list[int], groups: Sequence[Group], stage: int, r: int
     ) -> None:
-        finite = torch.isfinite(res.loss_sum)
-        if bool(finite.all()):
+        finite = np.isfinite(losses)
+        if finite.all():
             return
-        j = int((~finite).nonzero()[0])
+        j = int(np.flatnonzero(~finite)[0])
         raise NonFiniteLossError(
             f"non-finite training loss at stage {stage}, shard {groups[owner[j]].key}, round {r}, client {clients[j]}; "
             "lower model.lr or check the client's data"
