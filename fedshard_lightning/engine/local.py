@@ -115,6 +115,7 @@ class LocalTrainer:
         self.compiled = False
         self._compiled: dict[str, Any] = {}
         self.loop_uses_spec = False
+        self._fused: tuple[OptimizerSpec | None, dict[str, float] | None] = (None, None)
         own = [ix.cpu().numpy().astype(np.int64) for ix in datamodule.client_indices]
         self.plans = BatchPlans(schedule, seed, own)  # keyed batches, planned ahead by the engine
 
@@ -247,7 +248,9 @@ class LocalTrainer:
         gidx, gsz, steps = self.schedules(batch)
         self.program()
         chain, spec = self._chain, self.spec_at(batch.round)
-        fused = fused_sgd_lr(spec) if chain is not None else None
+        if chain is not None and self._fused[0] is not spec:  # asked every round: once per spec
+            self._fused = (spec, fused_sgd_lr(spec))
+        fused = self._fused[1] if chain is not None else None
         m_all = len(batch.clients)
         order = np.argsort(-steps, kind="stable")
         s_max = int(steps.max()) if m_all else 0
@@ -283,8 +286,7 @@ class LocalTrainer:
         m = live = m_all
         self.module._in_federated_step = True
         try:
-            for s in range(s_max):
-                m_s = int((steps_sorted > s).sum())
+            for s, m_s in enumerate((steps_sorted > np.arange(s_max)[:, None]).sum(1).tolist()):
                 if fixed:
                     if m_s < live:
                         self._retire(out, {**leaves, **cbuf}, order_t, m_s, live)
