@@ -7,6 +7,8 @@ Profiles, in one warm process with 1 torch thread:
 * ``fedshard``: FedShard on the same data (R = 2, A1, A2 in [2, 8]) with default callbacks;
 * ``unlearn``: one single-client FedShard request (``what_if``, no disk writes) at K = 64 and
   K = 256 (the data of ``benchmarks/unlearning_speed.py``: synthetic, 20 samples per client).
+* ``rounds``: the engine's CPU time per round for groups of 1 to K clients on that data (the
+  fixed cost per round, without cProfile).
 
 For each it prints the timed seconds and the cumulative seconds of named parts (local training,
 the ``auto`` probe, the kernel build, aggregation, the per-round hook with its evaluation, logging
@@ -14,6 +16,7 @@ and progress, the cache commits, the unlearning bookkeeping), then cProfile's to
 ``--torch-profiler`` adds torch.profiler's table of operator time for the engine part of the fit.
 
     python benchmarks/overhead_profile.py --what fedavg fedshard unlearn
+    python benchmarks/overhead_profile.py --what rounds --clients 64    # engine CPU ms per round
 """
 
 from __future__ import annotations
@@ -162,6 +165,50 @@ def profile_unlearn(k: int, top: int) -> None:
     report(f"FedShard unlearn, K={k}, one client", prof, seconds, top)
 
 
+def round_cost(k: int, rounds: int = 40, repeats: int = 7) -> None:
+    """Engine CPU time per round (best of ``repeats``) for groups of 1 to K clients, 2 steps each.
+
+    The data of ``profile_unlearn`` (20 samples per client, batch 10): a round of m clients runs
+    two stacked steps of m clients; the 1-client figure is the fixed cost per round that decides
+    unlearning's wall-clock at small K.
+    """
+    from fedshard_lightning.engine.engine import FederatedEngine, Group, stack_params
+    from fedshard_lightning.engine.schedule import LocalSchedule
+
+    dm = SyntheticDataModule(
+        num_clients=k,
+        partition="iid",
+        min_client_size=1,
+        seed=0,
+        num_samples=20 * k,
+        num_test=200,
+        shape=(64,),
+    )
+    dm.setup()
+    torch.manual_seed(0)
+    model = MLP(hidden=(64, 64), lr=0.1)
+    model.bind_data(dm.input_shape, dm.num_classes)
+    eng = FederatedEngine(model, dm, LocalSchedule(batch_size=10), seed=0, vectorize="always")
+    theta = eng.module_params()
+    cases = {
+        "1 group of 1 client": [Group(0, (5,), rounds)],
+        "8 groups of 1": [Group(i, (i,), rounds) for i in range(8)],
+        "4 groups of 8": [Group(i, tuple(range(8 * i, 8 * i + 8)), rounds) for i in range(4)],
+        f"1 group of {k}": [Group(0, tuple(range(k)), rounds)],
+    }
+    print(f"\n### engine CPU ms per round (best of {repeats} calls of {rounds} rounds, K = {k})")
+    print("| groups | ms per round |\n|---|---|")
+    for name, groups in cases.items():
+        init = stack_params([theta] * len(groups))
+        eng.train_groups(init, groups)
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.process_time()
+            eng.train_groups(init, groups)
+            best = min(best, time.process_time() - t)
+        print(f"| {name} | {1e3 * best / rounds:.3f} |")
+
+
 def torch_profile_fit(rows: int) -> None:
     """torch.profiler's operator table of the engine part of the default FedAvg fit."""
     from torch.profiler import ProfilerActivity, profile
@@ -175,7 +222,9 @@ def torch_profile_fit(rows: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--what", nargs="+", choices=["fedavg", "fedshard", "unlearn"], default=["fedavg"])
+    ap.add_argument(
+        "--what", nargs="+", choices=["fedavg", "fedshard", "unlearn", "rounds"], default=["fedavg"]
+    )
     ap.add_argument("--clients", type=int, nargs="+", default=[64, 256], help="K of the unlearn profiles")
     ap.add_argument("--top", type=int, default=15, help="cProfile's top functions by own time")
     ap.add_argument("--repeats", type=int, default=3)
@@ -196,6 +245,8 @@ def main() -> None:
     if "unlearn" in args.what:
         for k in args.clients:
             profile_unlearn(k, args.top)
+    if "rounds" in args.what:
+        round_cost(args.clients[0])
     if args.torch_profiler:
         torch_profile_fit(args.top)
 

@@ -13,12 +13,13 @@ Python loop of the same rule.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-__all__ = ["BLOCK", "GroupSums", "mix_rows", "tree_sum"]
+__all__ = ["BLOCK", "GroupSums", "block_plan", "mix_rows", "tree_sum"]
 
 BLOCK = 64
 
@@ -33,16 +34,37 @@ def tree_sum(x: Tensor) -> Tensor:
 class GroupSums:
     """Streams the weighted client models of one round into per-group sums.
 
+    All tensors of one dtype are summed as one flat [rows, D] matrix (the adds are element-wise,
+    so the bits are those of a sum per tensor, with one kernel call instead of one per tensor).
+
     Args:
         like: A stacked state dict [G, ...] (names, shapes, dtype and device of the sums).
         participants: Participant count of every group this round (0 for inactive groups).
+        plans: A dict the caller keeps across rounds: the block plan of a chunk (Python lists and
+            index tensors) is built once per distinct (counts, rows) and reused when the same
+            participants train again, as they do in every round of a full-participation call.
     """
 
-    def __init__(self, like: dict[str, Tensor], participants: Sequence[int]) -> None:
-        self.acc = {k: torch.zeros_like(v) for k, v in like.items()}
+    def __init__(
+        self,
+        like: dict[str, Tensor],
+        participants: Sequence[int],
+        plans: dict[tuple, _Plan] | None = None,
+    ) -> None:
         self.count = [int(c) for c in participants]
         self.seen = [0] * len(participants)
-        self._carry: tuple[dict[str, Tensor], list[tuple[int, int, int]]] | None = None
+        self._carry: tuple[list[Tensor], list[tuple[int, int, int]]] | None = None
+        self._plans = {} if plans is None else plans
+        kinds: dict[torch.dtype, list[str]] = {}
+        for k, v in like.items():
+            kinds.setdefault(v.dtype, []).append(k)
+        self.kinds = list(kinds.values())
+        self.shapes = {k: v.shape[1:] for k, v in like.items()}
+        self.numel = {k: math.prod(v.shape[1:]) for k, v in like.items()}
+        self.flat = [
+            like[names[0]].new_zeros((len(self.count), sum(self.numel[k] for k in names)))
+            for names in self.kinds
+        ]
 
     def add(self, params: dict[str, Tensor], weights: Tensor, owners: Sequence[int]) -> None:
         """Add the next rows of the round, in participant order.
@@ -57,12 +79,19 @@ class GroupSums:
             j = self.seen[g]
             self.seen[g] += 1
             meta.append((g, j // BLOCK, j % BLOCK))
-        first = next(iter(params.values()))
-        w = weights.to(dtype=first.dtype, device=first.device)
-        rows = {k: v.reshape(len(owners), -1) * w.unsqueeze(1) for k, v in params.items()}
+        m = len(owners)
+        w = weights.to(dtype=next(iter(params.values())).dtype)
+        rows = []
+        for names in self.kinds:
+            x = (
+                torch.cat([params[k].reshape(m, -1) for k in names], 1)
+                if len(names) > 1
+                else params[names[0]].reshape(m, -1)
+            )
+            rows.append(x * w.to(device=x.device).unsqueeze(1))
         if self._carry is not None:
             old, old_meta = self._carry
-            rows = {k: torch.cat([old[k], v]) for k, v in rows.items()}
+            rows = [torch.cat([a, b]) for a, b in zip(old, rows)]
             meta = old_meta + meta
             self._carry = None
         # Blocks whose last row has arrived are summed now; an open block waits for the next chunk.
@@ -72,64 +101,96 @@ class GroupSums:
             cut = len(meta)
             while cut > 0 and meta[cut - 1][:2] == last[:2]:
                 cut -= 1
-            self._carry = ({k: v[cut:].clone() for k, v in rows.items()}, meta[cut:])
-            rows, meta = {k: v[:cut] for k, v in rows.items()}, meta[:cut]
+            self._carry = ([v[cut:].clone() for v in rows], meta[cut:])
+            rows, meta = [v[:cut] for v in rows], meta[:cut]
         if not meta:
             return
-        # Rows of a block are contiguous (participant order). Blocks of equal length are summed
-        # together by a pairwise tree on a [blocks, length, D] view.
-        keys: list[tuple[int, int]] = []
-        offsets: list[int] = []
-        lengths: list[int] = []
-        for i, (g, b, _) in enumerate(meta):
-            if keys and keys[-1] == (g, b):
-                lengths[-1] += 1
-            else:
-                keys.append((g, b))
-                offsets.append(i)
-                lengths.append(1)
-        buckets: dict[int, list[int]] = {}
-        for k, n in enumerate(lengths):
-            buckets.setdefault(n, []).append(k)
-        dev = first.device
-        plans = []
-        for n, blocks in buckets.items():
-            if len(buckets) == 1:
-                pick = None  # every row, in order: a view, no copy
-            else:
-                pick = torch.as_tensor([offsets[k] + j for k in blocks for j in range(n)], device=dev)
-            plans.append((n, blocks, pick))
-        # Each group's blocks are added in block order; one index_add_ per rank touches a group once.
-        rank: dict[int, int] = {}
-        order: list[tuple[int, int]] = []  # (rank, block)
-        for k, (g, _) in enumerate(keys):
-            r = rank.get(g, 0)
-            rank[g] = r + 1
-            order.append((r, k))
-        ranks = max(r for r, _ in order) + 1
-        scatter = []  # per rank: the groups it adds to and, unless it is every block, which blocks
-        for r in range(ranks):
-            ks = [k for rr, k in order if rr == r]
-            g_t = torch.as_tensor([keys[k][0] for k in ks], device=dev)
-            scatter.append((g_t, None if len(ks) == len(keys) else torch.as_tensor(ks, device=dev)))
-        for name, x in rows.items():
-            sums = x.new_empty((len(keys), x.shape[1]))
-            for n, blocks, pick in plans:
-                xb = (x if pick is None else x.index_select(0, pick)).view(len(blocks), n, -1)
+        key = tuple(meta)
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) > 1024:
+                self._plans.clear()
+            plan = self._plans[key] = block_plan(meta, rows[0].device)
+        n_keys, plans, scatter = plan
+        for x, flat in zip(rows, self.flat):
+            sums = x.new_empty((n_keys, x.shape[1]))
+            for n, blocks_t, n_blocks, pick in plans:
+                xb = (x if pick is None else x.index_select(0, pick)).view(n_blocks, n, -1)
                 part = _pairwise(xb)
                 if pick is None:
                     sums = part
                 else:
-                    sums.index_copy_(0, torch.as_tensor(blocks, device=dev), part)
-            acc = self.acc[name].view(len(self.count), -1)
+                    sums.index_copy_(0, blocks_t, part)
             for g_t, pick_k in scatter:
-                acc.index_add_(0, g_t, sums if pick_k is None else sums.index_select(0, pick_k))
+                flat.index_add_(0, g_t, sums if pick_k is None else sums.index_select(0, pick_k))
 
     def totals(self) -> dict[str, Tensor]:
         """The per-group sums [G, ...] by name (every row must have been added)."""
+        return self._split(self.flat)
+
+    def averages(self, rows: Tensor, weight: Tensor) -> dict[str, Tensor]:
+        """Rows ``rows`` of the sums divided by ``weight`` [len(rows)] (cast to each dtype), by name.
+
+        One division per dtype over the flat sums; element-wise, so the bits of a division per tensor.
+        """
+        return self._split([f.index_select(0, rows) / weight.to(f).unsqueeze(1) for f in self.flat])
+
+    def _split(self, flats: list[Tensor]) -> dict[str, Tensor]:
+        """Views by name of flat [n, D] matrices laid out like the sums."""
         if self._carry is not None:
-            raise RuntimeError("GroupSums.totals before every participant was added")
-        return self.acc
+            raise RuntimeError("GroupSums read before every participant was added")
+        out: dict[str, Tensor] = {}
+        for flat, names in zip(flats, self.kinds):
+            off = 0
+            for k in names:
+                out[k] = flat[:, off : off + self.numel[k]].reshape(len(flat), *self.shapes[k])
+                off += self.numel[k]
+        return out
+
+
+# (blocks, [(rows per block, block ids, block count, row pick)], [(groups, block pick)] per rank)
+_Plan = tuple[int, list[tuple[int, Tensor | None, int, Tensor | None]], list[tuple[Tensor, Tensor | None]]]
+
+
+def block_plan(meta: Sequence[tuple[int, int, int]], dev: torch.device) -> _Plan:
+    """How :meth:`GroupSums.add` sums rows ``meta`` = (group, block, slot): a function of ``meta`` alone.
+
+    Rows of a block are contiguous (participant order). Blocks of equal length are summed
+    together by a pairwise tree on a [blocks, length, D] view; each group's blocks are then added
+    in block order, one ``index_add_`` per rank touching a group once.
+    """
+    keys: list[tuple[int, int]] = []
+    offsets: list[int] = []
+    lengths: list[int] = []
+    for i, (g, b, _) in enumerate(meta):
+        if keys and keys[-1] == (g, b):
+            lengths[-1] += 1
+        else:
+            keys.append((g, b))
+            offsets.append(i)
+            lengths.append(1)
+    buckets: dict[int, list[int]] = {}
+    for k, n in enumerate(lengths):
+        buckets.setdefault(n, []).append(k)
+    plans = []
+    for n, blocks in buckets.items():
+        if len(buckets) == 1:
+            plans.append((n, None, len(blocks), None))  # every row, in order: a view, no copy
+        else:
+            pick = torch.as_tensor([offsets[k] + j for k in blocks for j in range(n)], device=dev)
+            plans.append((n, torch.as_tensor(blocks, device=dev), len(blocks), pick))
+    rank: dict[int, int] = {}
+    order: list[tuple[int, int]] = []  # (rank, block)
+    for k, (g, _) in enumerate(keys):
+        r = rank.get(g, 0)
+        rank[g] = r + 1
+        order.append((r, k))
+    scatter = []  # per rank: the groups it adds to and, unless it is every block, which blocks
+    for r in range(max(r for r, _ in order) + 1):
+        ks = [k for rr, k in order if rr == r]
+        g_t = torch.as_tensor([keys[k][0] for k in ks], device=dev)
+        scatter.append((g_t, None if len(ks) == len(keys) else torch.as_tensor(ks, device=dev)))
+    return len(keys), plans, scatter
 
 
 def _pairwise(x: Tensor) -> Tensor:

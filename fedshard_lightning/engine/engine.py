@@ -27,6 +27,7 @@ from fedshard_lightning.engine.local_layers import LocalLayers
 from fedshard_lightning.engine.optim import OptimizerSpec, optimizer_spec
 from fedshard_lightning.engine.participants import KeyedSampling, ParticipantPolicy
 from fedshard_lightning.engine.path_choice import choose_path
+from fedshard_lightning.engine.round_plan import Chunk, RoundPlan
 from fedshard_lightning.engine.schedule import LocalSchedule
 from fedshard_lightning.errors import ConfigError, ContractError, NonFiniteLossError
 from fedshard_lightning.module import client_buffer_names
@@ -107,6 +108,8 @@ class FederatedEngine:
         self.chunk = max_chunk_clients or self._chunk_from_budget(memory_budget_mb)
         self.policy: ParticipantPolicy = KeyedSampling(self.client_fraction, self.seed)
         self._cuda = next(module.parameters()).device.type == "cuda"  # asked every round: once
+        self._sum_plans: dict = {}  # GroupSums' block plans, by chunk layout (aggregate.py)
+        self._block: tuple[tuple, int | None] | None = None
 
     # -- parameters ------------------------------------------------------------------------------
     def with_optimizer(self, spec: OptimizerSpec) -> FederatedEngine:
@@ -224,11 +227,13 @@ class FederatedEngine:
         if not self.batch_invariant and not self.local.compiled:
             return None
         self.local.program()
-        cuda = self._cuda
-        fx = self.local.kernel_choice.kernel in (Kernel.CHAIN, Kernel.FX)
-        if not cuda and fx and self.local.conv_mode == "per_client" and not self.local.compiled:
-            return None
-        return 64 if cuda else 8  # constant: a block that followed the chunk size would vary with it
+        key = (self.local.kernel_choice, self.local.conv_mode, self.local.compiled)
+        if self._block is None or self._block[0] != key:  # asked every round: decided once
+            fx = key[0].kernel in (Kernel.CHAIN, Kernel.FX)
+            free = not self._cuda and fx and key[1] == "per_client" and not key[2]
+            # constant: a block that followed the chunk size would vary with it
+            self._block = (key, None if free else 64 if self._cuda else 8)
+        return self._block[1]
 
     def _probe(self, start: dict[str, Tensor], batch: ClientBatch) -> str:
         """``vectorize: auto``: time both paths on this model (:func:`.path_choice.choose_path`)."""
@@ -276,28 +281,33 @@ class FederatedEngine:
         history: list[RoundInfo] = []
         local = LocalLayers(self.local_names)
         max_rounds = max((g.rounds for g in groups), default=0)
+        dev = next(iter(state.values())).device
+        dtype = state[self.names[0]].dtype
+        self.local.plans.clear()
+        plans: dict[tuple, RoundPlan] = {}  # by participants: one plan for all rounds of the same ones
         for r in range(max_rounds):
             active = [i for i, g in enumerate(groups) if r < g.rounds and not stopped[i] and g.clients]
             if not active:
                 break
             tr = time.perf_counter()
             parts = [self.participants(stage, groups[i], r) for i in active]
-            clients = [c for p in parts for c in p]
-            owner = [i for i, p in zip(active, parts) for _ in p]
-            counts = [0] * G
-            for i, p in zip(active, parts):
-                counts[i] = len(p)
-            sums = GroupSums(state, counts)
-            weight = torch.zeros(G, dtype=torch.float64)
+            key = (tuple(active), *map(tuple, parts))
+            plan = plans.get(key)
+            if plan is None:
+                plan = plans[key] = RoundPlan.build(active, parts, G, self.sizes, self.chunk, dtype, dev)
+                if self.samples_everyone:  # the same clients until a group ends: plan those rounds together
+                    last = min(groups[i].rounds for i in active)
+                    for ch in plan.chunks:
+                        self.local.plans.expect(ch.clients, [groups[i].key for i in ch.owners], stage, last)
+            sums = GroupSums(state, plan.counts, self._sum_plans)
             loss_sum = torch.zeros(G, dtype=torch.float64)
             step_count = np.zeros(G, dtype=np.int64)
             logged: dict[str, float] = {}
             kept: list[LocalResult] = []
-            for lo in range(0, len(clients), self.chunk):
-                cl, ow = clients[lo : lo + self.chunk], owner[lo : lo + self.chunk]
-                own_t = torch.as_tensor(ow, device=next(iter(state.values())).device)
+            for ch in plan.chunks:
+                cl, ow = ch.clients, ch.owners
                 try:
-                    start, rows = local.start(state, own_t, cl)
+                    start, rows = local.start(state, ch.owners_t, cl)
                     res = self._run_local(start, rows, ClientBatch(cl, [groups[i].key for i in ow], stage, r))
                 except ValueError as err:
                     if "Expected more than 1 value per channel" not in str(err):
@@ -307,23 +317,20 @@ class FederatedEngine:
                         f"round {r}; a client's last batch); use a batch size that leaves no client one "
                         "sample, or nn.GroupNorm"
                     ) from None
-                self._check_finite(res, cl, ow, groups, stage, r)
+                losses = res.loss_sum.detach().cpu().double()  # one host copy: the check and the sums
+                self._check_finite(losses.numpy(), cl, ow, groups, stage, r)
                 local.keep(res.params, cl)
-                n = torch.as_tensor(self.sizes[cl], dtype=state[self.names[0]].dtype, device=own_t.device)
-                sums.add(res.params, n, ow)
-                own_cpu = torch.as_tensor(ow)
-                weight.index_add_(0, own_cpu, torch.as_tensor(self.sizes[cl], dtype=torch.float64))
-                loss_sum.index_add_(0, own_cpu, res.loss_sum.detach().cpu().double())
+                sums.add(res.params, ch.samples, ow)
+                loss_sum.index_add_(0, ch.owners_cpu, losses)
                 step_count += np.bincount(ow, weights=res.steps, minlength=G).astype(np.int64)  # exact
-                self._add_logged(logged, res, cl)
+                self._add_logged(logged, res, ch)
                 if keep_client_params:
                     kept.append(res)
             before = {k: v.clone() for k, v in state.items()} if keep_client_params else None
-            act_t = torch.as_tensor(active, device=next(iter(state.values())).device)
-            total = sums.totals()
-            for k in state:
-                wk = weight[active].to(state[k]).view(-1, *([1] * (state[k].ndim - 1)))
-                state[k].index_copy_(0, act_t, total[k].index_select(0, act_t) / wk)
+            for k, v in sums.averages(
+                plan.active_t, plan.weight.index_select(0, plan.active_t.cpu())
+            ).items():
+                state[k].index_copy_(0, plan.active_t, v)
             steps_this = int(step_count.sum())
             for i in active:
                 rounds_run[i] += 1
@@ -342,8 +349,8 @@ class FederatedEngine:
                     if keep_client_params
                     else None
                 ),
-                client_ids=clients,
-                metrics={k: v / max(float(self.sizes[clients].sum()), 1.0) for k, v in logged.items()},
+                client_ids=plan.clients,
+                metrics={k: v / plan.metric_norm for k, v in logged.items()},
             )
             history.append(info)
             if on_round_end is not None:
@@ -360,7 +367,7 @@ class FederatedEngine:
             history=history,
         )
 
-    def _add_logged(self, logged: dict[str, float], res: LocalResult, clients: list[int]) -> None:
+    def _add_logged(self, logged: dict[str, float], res: LocalResult, chunk: Chunk) -> None:
         """Add the sample-weighted per-client means of the values the training step logged.
 
         A client's value in a round is the mean over its local steps; the round's value is the
@@ -368,19 +375,19 @@ class FederatedEngine:
         """
         if not res.logs:
             return
-        n = torch.as_tensor(self.sizes[clients], dtype=torch.float64)
+        n = chunk.samples_f64
         steps = torch.as_tensor(np.maximum(res.steps, 1), dtype=torch.float64)
         for k, v in res.logs.items():
             logged[k] = logged.get(k, 0.0) + float((n * v.detach().cpu().double() / steps).sum())
 
     @staticmethod
     def _check_finite(
-        res: LocalResult, clients: list[int], owner: list[int], groups: Sequence[Group], stage: int, r: int
+        losses: np.ndarray, clients: list[int], owner: list[int], groups: Sequence[Group], stage: int, r: int
     ) -> None:
-        finite = torch.isfinite(res.loss_sum)
-        if bool(finite.all()):
+        finite = np.isfinite(losses)
+        if finite.all():
             return
-        j = int((~finite).nonzero()[0])
+        j = int(np.flatnonzero(~finite)[0])
         raise NonFiniteLossError(
             f"non-finite training loss at stage {stage}, shard {groups[owner[j]].key}, round {r}, client {clients[j]}; "
             "lower model.lr or check the client's data"

@@ -12,7 +12,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["SAMPLING", "keyed_rng", "keyed_uniform_bits", "mix64", "sample_participants"]
+__all__ = [
+    "SAMPLING",
+    "client_keys",
+    "counter_bits",
+    "keyed_rng",
+    "keyed_uniform_bits",
+    "mix64",
+    "sample_participants",
+]
 
 SAMPLING = -1
 """Client slot used for the per-round participant sampling of a group."""
@@ -50,13 +58,23 @@ def keyed_uniform_bits(
     The counter-based form of :func:`keyed_rng` for many clients at once (one vectorized hash
     instead of one generator per client): ``groups``, ``clients`` and ``counters`` broadcast.
     """
+    return counter_bits(client_keys(seed, stage, groups, round_, clients), counters)
+
+
+def client_keys(seed: int, stage: int, groups: np.ndarray, round_: int, clients: np.ndarray) -> np.ndarray:
+    """The hash of ``(seed, stage, group, round, client)``: once per client, not once per draw."""
     with np.errstate(over="ignore"):
         k = mix64(_u64(int(seed) & 0xFFFFFFFF))
         k = mix64(k ^ _u64(stage))
         k = mix64(k ^ _u64(groups))
         k = mix64(k ^ _u64(round_))
-        k = mix64(k ^ _u64(np.asarray(clients) + 1))
-        return mix64(k ^ mix64(_u64(counters)))
+        return mix64(k ^ _u64(np.asarray(clients) + 1))
+
+
+def counter_bits(keys: np.ndarray, counters: np.ndarray) -> np.ndarray:
+    """:func:`keyed_uniform_bits` from :func:`client_keys` (broadcast against ``counters``)."""
+    with np.errstate(over="ignore"):
+        return mix64(keys ^ mix64(_u64(counters)))
 
 
 def sample_participants(

@@ -29,6 +29,7 @@ from fedshard_lightning.engine.chain import StackedChain
 from fedshard_lightning.engine.client_loop import ClientBatch, LocalResult, run_client_loop
 from fedshard_lightning.engine.mixed_sizes import mixed_sizes_fixed, mixed_sizes_split
 from fedshard_lightning.engine.optim import OptimizerSpec, RoundLR, fused_sgd_lr, round_lr, shrink_optimizer
+from fedshard_lightning.engine.plan_ahead import BatchPlans
 from fedshard_lightning.engine.schedule import LocalSchedule
 from fedshard_lightning.engine.stacked import (
     ConvMode,
@@ -114,10 +115,9 @@ class LocalTrainer:
         self.compiled = False
         self._compiled: dict[str, Any] = {}
         self.loop_uses_spec = False
+        self._fused: tuple[OptimizerSpec | None, dict[str, float] | None] = (None, None)
         own = [ix.cpu().numpy().astype(np.int64) for ix in datamodule.client_indices]
-        self._client_len = np.array([len(o) for o in own], dtype=np.int64)
-        self._client_off = np.cumsum(self._client_len) - self._client_len
-        self._all_own = np.concatenate(own) if own else np.zeros(0, dtype=np.int64)
+        self.plans = BatchPlans(schedule, seed, own)  # keyed batches, planned ahead by the engine
 
     def _loss(
         self,
@@ -223,12 +223,7 @@ class LocalTrainer:
 
     def schedules(self, batch: ClientBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Global sample indices [m, S, B], batch sizes [m, S] and step counts [m] of the clients."""
-        cl = np.asarray(batch.clients, dtype=np.int64)
-        pos, sizes, steps = self.schedule.plan(
-            self._client_len[cl], self.seed, batch.stage, np.asarray(batch.groups), batch.round, cl
-        )
-        gidx = self._all_own[self._client_off[cl][:, None, None] + pos] if pos.size else pos
-        return gidx, sizes, steps
+        return self.plans(batch)
 
     # -- stacked ---------------------------------------------------------------------------------
     def train_stacked(
@@ -251,6 +246,11 @@ class LocalTrainer:
                 a client the same bits whatever its neighbours.
         """
         gidx, gsz, steps = self.schedules(batch)
+        self.program()
+        chain, spec = self._chain, self.spec_at(batch.round)
+        if chain is not None and self._fused[0] is not spec:  # asked every round: once per spec
+            self._fused = (spec, fused_sgd_lr(spec))
+        fused = self._fused[1] if chain is not None else None
         m_all = len(batch.clients)
         order = np.argsort(-steps, kind="stable")
         s_max = int(steps.max()) if m_all else 0
@@ -259,15 +259,13 @@ class LocalTrainer:
         gsz = np.ascontiguousarray(gsz[order].T)  # [S, m] in step order
         gidx_t = torch.as_tensor(np.ascontiguousarray(gidx[order].transpose(1, 0, 2)), device=device)
         order_t = torch.as_tensor(order, device=device)
-        pick = order_t if rows is None else rows.index_select(0, order_t)
-        out = {n: start[n].new_empty((m_all, *start[n].shape[1:])) for n in self.names}
-        leaves = {_PREFIX + n: start[n].index_select(0, pick).requires_grad_() for n in self.names}
-        out.update({n: start[n].new_empty((m_all, *start[n].shape[1:])) for n in self.buffer_names})
+        in_order = bool((order == np.arange(m_all)).all())  # equal steps: no permutation to undo
+        pick = order_t if rows is None else rows if in_order else rows.index_select(0, order_t)
+        out: dict[str, Tensor] = {}  # rows of retired clients; allocated on the first retirement
+        leaves = {
+            _PREFIX + n: start[n].index_select(0, pick).requires_grad_(fused is None) for n in self.names
+        }
         cbuf = {_PREFIX + n: start[n].index_select(0, pick) for n in self.buffer_names}
-        self.program()
-        chain = self._chain
-        spec = self.spec_at(batch.round)
-        fused = fused_sgd_lr(spec) if chain is not None else None
         # Fused SGD needs no optimizer; only autograd steps read shared buffers and random keys (a
         # round's fixed cost matters when it trains one or two clients: unlearning's lower stages).
         opt = spec.build(leaves, _PREFIX) if fused is None else None
@@ -280,7 +278,7 @@ class LocalTrainer:
         logs: dict[str, Tensor] = {}
         steps_sorted = steps[order]
         # Per-step sample weights and batch sizes go to the device once per round, not per step.
-        size_t = torch.as_tensor(gsz, device=device)
+        size_t = torch.as_tensor(gsz, device=device) if chain is None else None
         weight_all = None
         if chain is not None:
             w = (np.arange(b) < gsz[:, :, None]) / np.maximum(gsz, 1)[:, :, None]
@@ -288,8 +286,7 @@ class LocalTrainer:
         m = live = m_all
         self.module._in_federated_step = True
         try:
-            for s in range(s_max):
-                m_s = int((steps_sorted > s).sum())
+            for s, m_s in enumerate((steps_sorted > np.arange(s_max)[:, None]).sum(1).tolist()):
                 if fixed:
                     if m_s < live:
                         self._retire(out, {**leaves, **cbuf}, order_t, m_s, live)
@@ -348,12 +345,10 @@ class LocalTrainer:
                     v.grad = None
         finally:
             self.module._in_federated_step = False
-        if live == m_all and bool((order == np.arange(m_all)).all()):
-            out = {
-                k[len(_PREFIX) :]: v.detach() for k, v in {**leaves, **cbuf}.items()
-            }  # nobody retired early
-        else:
-            self._retire(out, {**leaves, **cbuf}, order_t, 0, live)
+        if live == m_all and in_order:  # nobody retired early
+            out = {k[len(_PREFIX) :]: v.detach() for k, v in {**leaves, **cbuf}.items()}
+            return LocalResult(out, steps, loss_sum, logs)
+        self._retire(out, {**leaves, **cbuf}, order_t, 0, live)
         inv = torch.empty_like(order_t)
         inv[order_t] = torch.arange(m_all, device=device)
         return LocalResult(
@@ -384,6 +379,8 @@ class LocalTrainer:
             return
         rows = order[lo:hi]
         for k, v in leaves.items():
+            if k[len(_PREFIX) :] not in out:
+                out[k[len(_PREFIX) :]] = v.new_empty((len(order), *v.shape[1:]))
             out[k[len(_PREFIX) :]].index_copy_(0, rows, v[lo:hi].detach())
 
     # -- per-client loop (reference and fallback) -----------------------------------------------

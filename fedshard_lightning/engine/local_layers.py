@@ -75,5 +75,7 @@ class LocalLayers:
 
     def keep(self, params: dict[str, Tensor], clients: Sequence[int]) -> None:
         """Remember each client's values after its local training (rows in ``clients`` order)."""
+        if not self.names:
+            return
         for j, c in enumerate(clients):
             self.values[c] = {k: params[k][j].clone() for k in self.names}

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fedshard_lightning.engine.keys import keyed_uniform_bits
+from fedshard_lightning.engine.keys import client_keys, counter_bits
 from fedshard_lightning.errors import ConfigError
 
 __all__ = ["LocalSchedule"]
@@ -41,13 +41,20 @@ class LocalSchedule:
             return self.local_steps
         return self.local_epochs * math.ceil(n / self.batch_size)
 
+    def plan_steps(self, n: np.ndarray) -> np.ndarray:
+        """Steps of clients with ``n`` samples in :meth:`plan` (0 for a client without samples)."""
+        n = np.asarray(n, dtype=np.int64)
+        if self.local_steps is None:
+            return self.local_epochs * -(-n // self.batch_size)
+        return np.where(n > 0, self.local_steps, 0).astype(np.int64)
+
     def plan(
         self,
         n: np.ndarray,
         seed: int,
         stage: int,
         groups: np.ndarray,
-        round_: int,
+        round_: int | np.ndarray,
         clients: np.ndarray,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The batches of many clients in one round, from the keyed hash (SPEC section 3).
@@ -60,7 +67,7 @@ class LocalSchedule:
             seed: Training seed.
             stage: Stage of the round.
             groups: Group key of every client.
-            round_: Round within the stage.
+            round_: Round within the stage (or one per client: rounds planned together).
             clients: Client ids.
 
         Returns:
@@ -70,10 +77,7 @@ class LocalSchedule:
         """
         n = np.asarray(n, dtype=np.int64)
         m, b = len(n), self.batch_size
-        if self.local_steps is None:
-            steps = self.local_epochs * -(-n // b)
-        else:
-            steps = np.where(n > 0, self.local_steps, 0).astype(np.int64)
+        steps = self.plan_steps(n)
         per_epoch = np.maximum(-(-n // b), 1)
         epochs = -(-steps // per_epoch)
         draws = n * epochs
@@ -81,8 +85,9 @@ class LocalSchedule:
         within = np.arange(int(draws.sum()), dtype=np.int64) - np.repeat(np.cumsum(draws) - draws, draws)
         n_own = n[owner]
         epoch, rank = within // np.maximum(n_own, 1), within % np.maximum(n_own, 1)
-        bits = keyed_uniform_bits(
-            seed, stage, np.asarray(groups)[owner], round_, np.asarray(clients)[owner], within
+        # The key hash once per client, then per draw only its counter (bits as keyed_uniform_bits).
+        bits = counter_bits(
+            client_keys(seed, stage, np.asarray(groups), round_, np.asarray(clients))[owner], within
         )
         perm = rank[np.lexsort((bits, epoch, owner))]  # segments (client, epoch) keep their place
         step = epoch * per_epoch[owner] + rank // b
@@ -91,8 +96,10 @@ class LocalSchedule:
         s_max = int(steps.max()) if m else 0
         pos = np.zeros((m, s_max, b), dtype=np.int64)
         pos[owner, step, slot] = perm
-        sizes = np.zeros((m, s_max), dtype=np.int64)
-        np.add.at(sizes, (owner, step), 1)
+        # Step s of a client is batch s % per_epoch of an epoch: the rest of its n samples, at most b.
+        s_idx = np.arange(s_max, dtype=np.int64)
+        full = np.minimum(b, n[:, None] - (s_idx % per_epoch[:, None]) * b)
+        sizes = np.where(s_idx < steps[:, None], full, 0)
         return pos, sizes, steps
 
     def batches(

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fedshard_lightning.engine.keys import keyed_uniform_bits, mix64
+from fedshard_lightning.engine.keys import client_keys, counter_bits, keyed_uniform_bits, mix64
 from fedshard_lightning.engine.schedule import LocalSchedule
 
 
@@ -61,3 +61,44 @@ def test_keyed_bits_depend_on_every_key_field():
 def test_mix64_is_a_bijection_on_a_sample():
     z = np.arange(100_000, dtype=np.uint64)
     assert len(np.unique(mix64(z))) == len(z)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 40), min_size=1, max_size=8),
+    b=st.integers(1, 9),
+    epochs=st.integers(1, 3),
+    steps=st.one_of(st.none(), st.integers(1, 12)),
+)
+def test_plan_batch_sizes_equal_a_plain_loop_over_epochs(sizes, b, epochs, steps):
+    """Batch sizes (computed by formula, not by counting the plan's draws) against a plain loop."""
+    sched = LocalSchedule(batch_size=b, local_epochs=epochs, local_steps=steps)
+    n = np.array(sizes)
+    pos, sz, n_steps = sched.plan(n, 0, 1, np.zeros(len(sizes), dtype=np.int64), 0, np.arange(len(sizes)))
+    for i, ni in enumerate(sizes):
+        want: list[int] = []
+        while ni and len(want) < (steps if steps is not None else epochs * -(-ni // b)):
+            want += [min(b, ni - lo) for lo in range(0, ni, b)]  # one epoch's batches
+        want = want[: steps if steps is not None else len(want)]
+        assert sz[i].tolist() == want + [0] * (sz.shape[1] - len(want)), (i, ni)
+        assert n_steps[i] == len(want)
+        # every real slot of a batch holds a sample of the client; padding stays 0
+        for s, k in enumerate(want):
+            assert (pos[i, s, k:] == 0).all() and (pos[i, s, :k] < ni).all()
+
+
+def test_client_keys_then_counters_equal_the_per_draw_hash():
+    """The per-client key hash, broadcast to the draws, against the hash chain written out per draw."""
+    rng = np.random.default_rng(0)
+    groups, clients = rng.integers(0, 50, 9), rng.integers(0, 5000, 9)
+    owner = np.repeat(np.arange(9), rng.integers(0, 30, 9))
+    counters = rng.integers(0, 1000, len(owner))
+    u = lambda v: np.asarray(v, dtype=np.int64).astype(np.uint64)  # noqa: E731
+    with np.errstate(over="ignore"):
+        k = mix64(u(7))
+        for field in (u(3), u(groups[owner]), u(11), u(clients[owner] + 1)):
+            k = mix64(k ^ field)
+        want = mix64(k ^ mix64(u(counters)))
+    got = counter_bits(client_keys(7, 3, groups, 11, clients)[owner], counters)
+    assert got.dtype == np.uint64 and (got == want).all()
+    assert (keyed_uniform_bits(7, 3, groups[owner], 11, clients[owner], counters) == want).all()
