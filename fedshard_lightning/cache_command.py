@@ -29,7 +29,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="python -m fedshard_lightning cache", description=__doc__.splitlines()[0])
+    ap = _Parser(
+        prog="python -m fedshard_lightning cache",
+        description="Maintenance of a run's FLCache without a config.",
+    )
     sub = ap.add_subparsers(dest="command", required=True)
     gc = sub.add_parser("gc", help="drop the models of old versions; keep every manifest")
     gc.add_argument("--ckpt_path", required=True, help="run directory created by fit")

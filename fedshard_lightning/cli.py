@@ -28,6 +28,13 @@ from fedshard_lightning.trainer import FederatedTrainer
 
 __all__ = ["FederatedCLI", "main"]
 
+# `runs` and `cache` are dispatched before the CLI parser (they need no config), so its help says so.
+_DESCRIPTION = (
+    "FedShard federated (un)learning. Two more commands need no config: "
+    "'runs --root DIR' lists the runs under DIR; 'cache gc|verify --ckpt_path RUN' prunes or "
+    "checks a run's FLCache (each has its own --help)."
+)
+
 DEFAULTS = {
     "model": {"class_path": "fedshard_lightning.models.MLP", "init_args": {"hidden": [64, 64]}},
     "data": {"class_path": "fedshard_lightning.data.DigitsDataModule"},
@@ -191,7 +198,7 @@ class FederatedCLI(LightningCLI):
         kwargs.setdefault("load_from_checkpoint_support", False)
         kwargs.setdefault(
             "parser_kwargs",
-            {"prog": "python -m fedshard_lightning", "description": "FedShard federated (un)learning"},
+            {"prog": "python -m fedshard_lightning", "description": _DESCRIPTION},
         )
         if not args and kwargs.get("args") is None:
             argv = with_run_config(sys.argv[1:])
