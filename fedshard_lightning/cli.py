@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import lightning as L
+from jsonargparse import ArgumentParser
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from fedshard_lightning.data.base import FederatedDataModule
@@ -26,7 +27,7 @@ from fedshard_lightning.errors import ConfigError, FedShardError
 from fedshard_lightning.os_faults import describe, ignore_sigxfsz
 from fedshard_lightning.trainer import FederatedTrainer
 
-__all__ = ["FederatedCLI", "main"]
+__all__ = ["FederatedCLI", "PlainHelpParser", "main"]
 
 # `runs` and `cache` are dispatched before the CLI parser (they need no config), so its help says so.
 _DESCRIPTION = (
@@ -166,6 +167,14 @@ def _one_process(argv: list[str], config: Path) -> list[str]:
         f"process (same bits); add --trainer.devices {devices} --trainer.strategy {strategy} to use them\n"
     )
     return ["--trainer.devices", "1", "--trainer.strategy", "auto"]
+
+
+class PlainHelpParser(ArgumentParser):
+    """A jsonargparse parser whose help is plain text (for the experiments' command lines)."""
+
+    def format_help(self) -> str:
+        """Help as plain text."""
+        return plain_text(super().format_help())
 
 
 class _Parser(LightningArgumentParser):

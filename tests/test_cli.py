@@ -343,3 +343,15 @@ def test_plain_lightning_module_by_class_path(run_root, capsys):
     )
     assert code == 0, err
     assert "audit PASSED" in out
+
+
+@pytest.mark.parametrize("name", ["compare", "poisoning", "cascade"])
+def test_experiment_help_is_plain_text(name, capsys):
+    import importlib
+
+    experiment = importlib.import_module(f"fedshard_lightning.experiments.{name}")
+    with pytest.raises(SystemExit) as e:
+        experiment.main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "--config" in out
+    assert "``" not in out and ":class:" not in out and ":meth:" not in out
