@@ -88,4 +88,5 @@ def cache_main(argv: list[str]) -> None:
             note = f" ({pruned} pruned by gc: their indexes only)" if pruned else ""
             if args.all and found["other"]:
                 note += f" ({len(found['other'])} off the current history: blobs only)"
-            print(f"cache verify: {len(versions)} versions intact{note} in {cache.root}")
+            n = len(versions)
+            print(f"cache verify: {n} version{'s' if n != 1 else ''} intact{note} in {cache.root}")
