@@ -29,7 +29,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="python -m fedshard_lightning cache", description=__doc__.splitlines()[0])
+    ap = _Parser(
+        prog="python -m fedshard_lightning cache",
+        description="Maintenance of a run's FLCache without a config.",
+    )
     sub = ap.add_subparsers(dest="command", required=True)
     gc = sub.add_parser("gc", help="drop the models of old versions; keep every manifest")
     gc.add_argument("--ckpt_path", required=True, help="run directory created by fit")
@@ -85,4 +88,5 @@ def cache_main(argv: list[str]) -> None:
             note = f" ({pruned} pruned by gc: their indexes only)" if pruned else ""
             if args.all and found["other"]:
                 note += f" ({len(found['other'])} off the current history: blobs only)"
-            print(f"cache verify: {len(versions)} versions intact{note} in {cache.root}")
+            n = len(versions)
+            print(f"cache verify: {n} version{'s' if n != 1 else ''} intact{note} in {cache.root}")

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import lightning as L
+from jsonargparse import ArgumentParser
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from fedshard_lightning.data.base import FederatedDataModule
@@ -26,7 +27,14 @@ from fedshard_lightning.errors import ConfigError, FedShardError
 from fedshard_lightning.os_faults import describe, ignore_sigxfsz
 from fedshard_lightning.trainer import FederatedTrainer
 
-__all__ = ["FederatedCLI", "main"]
+__all__ = ["FederatedCLI", "PlainHelpParser", "main"]
+
+# `runs` and `cache` are dispatched before the CLI parser (they need no config), so its help says so.
+_DESCRIPTION = (
+    "FedShard federated (un)learning. Two more commands need no config: "
+    "'runs --root DIR' lists the runs under DIR; 'cache gc|verify --ckpt_path RUN' prunes or "
+    "checks a run's FLCache (each has its own --help)."
+)
 
 DEFAULTS = {
     "model": {"class_path": "fedshard_lightning.models.MLP", "init_args": {"hidden": [64, 64]}},
@@ -161,6 +169,14 @@ def _one_process(argv: list[str], config: Path) -> list[str]:
     return ["--trainer.devices", "1", "--trainer.strategy", "auto"]
 
 
+class PlainHelpParser(ArgumentParser):
+    """A jsonargparse parser whose help is plain text (for the experiments' command lines)."""
+
+    def format_help(self) -> str:
+        """Help as plain text."""
+        return plain_text(super().format_help())
+
+
 class _Parser(LightningArgumentParser):
     """Prints parse errors as one line, and help without reStructuredText markup."""
 
@@ -191,7 +207,7 @@ class FederatedCLI(LightningCLI):
         kwargs.setdefault("load_from_checkpoint_support", False)
         kwargs.setdefault(
             "parser_kwargs",
-            {"prog": "python -m fedshard_lightning", "description": "FedShard federated (un)learning"},
+            {"prog": "python -m fedshard_lightning", "description": _DESCRIPTION},
         )
         if not args and kwargs.get("args") is None:
             argv = with_run_config(sys.argv[1:])

@@ -218,6 +218,20 @@ def test_help_is_plain_text(capsys):
     assert "--ckpt_path RUN_DIR" in out
 
 
+@pytest.mark.parametrize("args", [["--help"], ["cache", "--help"], ["runs", "--help"]])
+def test_other_help_screens_are_plain_text(args, capsys):
+    code, out, _ = _run(args, capsys)
+    assert code == 0
+    assert "``" not in out and ":meth:" not in out and ":class:" not in out
+
+
+def test_top_level_help_names_every_command(capsys):
+    code, out, _ = _run(["--help"], capsys)
+    assert code == 0
+    for command in ("fit", "test", "unlearn", "audit", "runs", "cache"):
+        assert command in out
+
+
 def test_plain_text_removes_rst_roles():
     from fedshard_lightning.cli import plain_text
 
@@ -329,3 +343,15 @@ def test_plain_lightning_module_by_class_path(run_root, capsys):
     )
     assert code == 0, err
     assert "audit PASSED" in out
+
+
+@pytest.mark.parametrize("name", ["compare", "poisoning", "cascade"])
+def test_experiment_help_is_plain_text(name, capsys):
+    import importlib
+
+    experiment = importlib.import_module(f"fedshard_lightning.experiments.{name}")
+    with pytest.raises(SystemExit) as e:
+        experiment.main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "--config" in out
+    assert "``" not in out and ":class:" not in out and ":meth:" not in out

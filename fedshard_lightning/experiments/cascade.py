@@ -237,7 +237,9 @@ def main(args: list[str] | None = None) -> None:
     """Command line: ``python -m fedshard_lightning.experiments.cascade --help``."""
     from jsonargparse import CLI
 
-    payload = CLI(cascade, args=args, as_positional=False)
+    from fedshard_lightning.cli import PlainHelpParser
+
+    payload = CLI(cascade, args=args, as_positional=False, parser_class=PlainHelpParser)
     for name, n in payload["summary"].items():
         print(f"{name}: {n} cascaded leaver(s)")
     print(f"results: {payload['output']}")

@@ -304,10 +304,11 @@ def main(args: list[str] | None = None) -> None:
 
     from jsonargparse import CLI
 
+    from fedshard_lightning.cli import PlainHelpParser
     from fedshard_lightning.errors import FedShardError
 
     try:
-        result = CLI(compare, args=args, as_positional=False)
+        result = CLI(compare, args=args, as_positional=False, parser_class=PlainHelpParser)
     except FedShardError as e:
         sys.stderr.write(f"error: {' '.join(str(e).split())}\n")
         raise SystemExit(2) from None

@@ -147,7 +147,9 @@ def main(args: list[str] | None = None) -> None:
     """Command line: ``python -m fedshard_lightning.experiments.poisoning --help``."""
     from jsonargparse import CLI
 
-    payload = CLI(poisoning, args=args, as_positional=False)
+    from fedshard_lightning.cli import PlainHelpParser
+
+    payload = CLI(poisoning, args=args, as_positional=False, parser_class=PlainHelpParser)
     for name, p in payload["summary"].items():
         print(f"{name}: attack precision {100 * p:.1f}%")
     print(f"results: {payload['output']}")

@@ -34,7 +34,7 @@ def test_verify_all_finds_a_byte_flipped_in_an_old_version_only(reference_run, t
     data[-3] ^= 0x10
     blob.write_bytes(bytes(data))
     code, out, err = cli(["cache", "verify", "--ckpt_path", str(run)])
-    assert code == 0 and "1 versions intact" in out, err  # the current version is intact
+    assert code == 0 and "1 version intact" in out, err  # the current version is intact
     code, _, err = cli(["cache", "verify", "--all", "--ckpt_path", str(run)])
     lines = error_lines(err)
     assert code == 2 and len(lines) == 1 and str(blob) in lines[0], err
