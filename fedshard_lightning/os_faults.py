@@ -53,7 +53,9 @@ def describe(e: OSError) -> tuple[int, str]:
     name = errno.errorcode.get(e.errno or 0, "OSError")
     reason = e.strerror or str(e)
     fix = _FIXES.get(code, "check the disk and the path")
-    return code, f"error: {reason} ({name}) at {_path(e)}: {fix}, {_AGAIN}"
+    removed = getattr(e, "removed_run_dir", None)  # set by fit when the run held nothing to keep
+    again = f"then run the fit again (nothing was committed, so {removed} was removed)" if removed else _AGAIN
+    return code, f"error: {reason} ({name}) at {_path(e)}: {fix}, {again}"
 
 
 def ignore_sigxfsz() -> None:

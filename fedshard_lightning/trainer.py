@@ -264,6 +264,8 @@ class FederatedTrainer:
             # A run that failed before its first cache commit holds nothing worth keeping.
             if not resume and self.is_global_zero and not (run_dir / "cache" / "CURRENT").exists():
                 shutil.rmtree(run_dir, ignore_errors=True)
+                if isinstance(e, OSError):  # its one line must not suggest resuming a removed folder
+                    e.removed_run_dir = str(run_dir)
             elif self.is_global_zero and not isinstance(e, (FedShardError, OSError)):  # OSError: one line
                 sys.stderr.write(f"{resume_hint(run_dir, self.config_yaml is not None)}\n")
             raise

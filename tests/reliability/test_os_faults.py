@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 import pytest
-from _reliability_helpers import ROOT, cli, copy_run, error_lines, journal, tmp_leftovers, tree_hash
+from _reliability_helpers import ROOT, TINY, cli, copy_run, error_lines, journal, tmp_leftovers, tree_hash
 
 from fedshard_lightning.cache import FLCache
 
@@ -109,3 +109,24 @@ def test_read_only_run_can_be_tested_but_not_unlearned(read_only_run):
     lines = error_lines(err)
     assert code == 4 and len(lines) == 1 and "EROFS" in lines[0] and str(run) in lines[0], err
     assert tree_hash(run) == before
+
+
+def test_a_fresh_fit_that_fails_before_its_first_commit_says_nothing_is_left_to_resume(tmp_path, monkeypatch):
+    """The failed run's folder is removed (it held nothing), so the one line must not suggest a resume."""
+    real_replace = os.replace
+
+    def replace(src, dst):  # the first version's manifest: nothing is committed yet
+        if str(dst).endswith("manifest.json"):
+            raise OSError(errno.EFBIG, os.strerror(errno.EFBIG), str(src))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    root = tmp_path / "runs"
+    status, _, stderr = cli(
+        ["fit", *TINY, "--trainer.default_root_dir", str(root), "--trainer.run_name", "efbig"]
+    )
+    monkeypatch.undo()
+    lines = error_lines(stderr)
+    assert status == 5 and len(lines) == 1, stderr
+    assert "--ckpt_path" not in lines[0] and "nothing was committed" in lines[0], lines[0]
+    assert not (root / "efbig").exists()
