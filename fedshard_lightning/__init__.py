@@ -1,7 +1,28 @@
-"""FedShard on Lightning Fabric: vectorized federated learning with exact, fair, fast unlearning."""
+"""FedShard on Lightning Fabric: vectorized federated learning with exact, fair, fast unlearning.
 
-from fedshard_lightning.module import FederatedModule
-from fedshard_lightning.trainer import FederatedTrainer
+The two public names are imported on first use (PEP 562), so ``python -m fedshard_lightning`` can
+answer a Ctrl-C during the seconds that torch and Lightning take to import with one line.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fedshard_lightning.module import FederatedModule
+    from fedshard_lightning.trainer import FederatedTrainer
 
 __all__ = ["FederatedModule", "FederatedTrainer"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name == "FederatedModule":
+        from fedshard_lightning.module import FederatedModule
+
+        return FederatedModule
+    if name == "FederatedTrainer":
+        from fedshard_lightning.trainer import FederatedTrainer
+
+        return FederatedTrainer
+    raise AttributeError(f"module 'fedshard_lightning' has no attribute {name!r}")

@@ -355,3 +355,42 @@ def test_experiment_help_is_plain_text(name, capsys):
     out = capsys.readouterr().out
     assert e.value.code == 0 and "--config" in out
     assert "``" not in out and ":class:" not in out and ":meth:" not in out
+
+
+@pytest.mark.parametrize("delay", [1.0, 5.0])
+def test_ctrl_c_answers_in_one_line_during_start_up_and_during_training(tmp_path, delay):
+    """SIGINT while torch/Lightning import (1 s: past the interpreter's own start) or later: exit 130, no traceback."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "fedshard_lightning",
+            "fit",
+            "--config",
+            "configs/digits.yaml",
+            "--trainer.algorithm.t1",
+            "200",
+            "--trainer.default_root_dir",
+            str(tmp_path / "runs"),
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        # A shell that runs us in the background may ignore SIGINT; Python only maps it to
+        # KeyboardInterrupt when it starts with the default action.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    time.sleep(delay)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err and any(line.startswith("interrupted") for line in err.splitlines()), err
