@@ -12,19 +12,17 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.errors import ConfigError
 from fedshard_lightning.metrics.client_alpha import client_alphas, per_client_accuracy
-from fedshard_lightning.metrics.fairness_report import fairness_report
+from fedshard_lightning.metrics.fairness_report import fairness_report, json_safe
 from fedshard_lightning.module import FederatedModule
 from fedshard_lightning.unlearning.base import Algorithm
 
@@ -190,19 +188,7 @@ def mp_score(
 
 def write_json(path: Path, payload: dict[str, Any]) -> Path:
     """Write JSON with NaN/inf as null."""
-
-    def clean(v: Any) -> Any:
-        if isinstance(v, dict):
-            return {str(k): clean(x) for k, x in v.items()}
-        if isinstance(v, (list, tuple)):
-            return [clean(x) for x in v]
-        if isinstance(v, (Tensor, np.generic)):
-            v = v.item()
-        if isinstance(v, float) and not math.isfinite(v):
-            return None
-        return v
-
-    path.write_text(json.dumps(clean(payload), indent=2, allow_nan=False) + "\n")
+    path.write_text(json.dumps(json_safe(payload), indent=2, allow_nan=False) + "\n")
     return path
 
 

@@ -86,9 +86,9 @@ def cost_stats(values: Sequence[float]) -> dict[str, float | None]:
 
 
 def json_safe(value: Any) -> Any:
-    """JSON-safe: NaN/inf -> None, tensors and numpy scalars -> Python numbers."""
+    """JSON-safe: NaN/inf -> None, tensors and numpy scalars -> Python numbers, keys -> str."""
     if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
+        return {str(k): json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [json_safe(v) for v in value]
     if isinstance(value, (Tensor, np.generic)):
