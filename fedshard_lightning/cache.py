@@ -77,6 +77,8 @@ class FLCache(Committer, StackStore, Retention, Verification):
         self.root = Path(root)
         self._fresh: list[Path] = []  # blobs the running commit created
         self.row_schema: dict[str, Any] | None = None  # the model every stack row must match, when known
+        # Blobs whose bytes this process has hashed and found intact: `verify` after a load skips them.
+        self.checked: set[str] = set()
 
     # -- reading ---------------------------------------------------------------------------------
     def exists(self) -> bool:
@@ -193,6 +195,7 @@ class FLCache(Committer, StackStore, Retention, Verification):
             raise CacheError(
                 f"{what}: checksum mismatch for {path}: the file was modified or corrupted; refusing to load it"
             )
+        self.checked.add(digest)
         return data
 
     def path_of(self, name: str, version: str | None = None, manifest: dict[str, Any] | None = None) -> Path:

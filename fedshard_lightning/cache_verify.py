@@ -27,6 +27,8 @@ __all__ = ["Verification"]
 class Verification:
     """Checks of :class:`~fedshard_lightning.cache.FLCache` (a mixin over its versions, manifests and blobs)."""
 
+    checked: set[str]  # digests this instance has hashed and found intact (FLCache keeps it)
+
     def check_loaded(
         self, tensors: dict[str, Tensor], manifest: dict[str, Any], kind: str, name: str, what: str
     ) -> None:
@@ -67,7 +69,11 @@ class Verification:
         self._fresh = []
 
     def verify(self, version: str | None = None) -> None:
-        """Check every blob of a version against its digest (only its indexes when gc pruned it)."""
+        """Check every blob of a version against its digest (only its indexes when gc pruned it).
+
+        Blobs this instance already hashed on reading are not hashed again, so ``test`` loading a
+        version and then verifying it reads every blob once; ``cache verify`` uses a fresh instance.
+        """
         version = version or self.current()
         manifest = self.manifest(version)
         pruned = version in self.pruned()
@@ -82,12 +88,15 @@ class Verification:
                 self._verify_blob(digest, f"{fname} of version {version}")
 
     def _verify_blob(self, digest: str, what: str) -> None:
+        if digest in self.checked:  # read and hashed by this process already (e.g. by the load)
+            return
         path = self.blob_path(digest)
         if not path.is_file() or sha256_file(path) != digest:
             raise CacheError(
                 f"cache file {path} ({what}) is missing or corrupted (checksum mismatch); restore the run "
                 "directory from a backup"
             )
+        self.checked.add(digest)
 
     def history(self) -> list[str]:
         """Versions on the chain from ``CURRENT`` back to the first commit, each manifest checked, newest first."""

@@ -15,7 +15,6 @@ from typing import Any
 
 from torch import Tensor
 
-from fedshard_lightning.cache import FLCache
 from fedshard_lightning.deployed import load_model
 from fedshard_lightning.run_dir import existing_run_dir, run_lock
 from fedshard_lightning.tensor_schema import schema_of
@@ -35,8 +34,8 @@ def run_test(trainer: Any, model: Any, datamodule: Any, ckpt_path: str | None) -
     trainer.enable_progress_bar = False
     if not lone_file and (run_dir / "cache" / "CURRENT").is_file():
         with run_lock(run_dir):
-            FLCache(run_dir / "cache").verify()  # every blob of the version it reports, read or not
             trainer._load_run(model, datamodule, str(run_dir), "test")
+            trainer.cache.verify()  # every blob of the version it reports: those the load did not read
             return _test_metrics(trainer, trainer.algorithm.current_params(), weights)
     trainer._setup(model, datamodule, run_dir, "test")  # a model file: its hash, names, shapes and dtypes
     trainer.module.load_state_dict(
