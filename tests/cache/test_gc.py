@@ -3,16 +3,14 @@ in the middle leaves a consistent cache; a gc'd FedShard run still audits (issue
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 from pathlib import Path
 
 import pytest
 import torch
+from _cli import cli
 
 from fedshard_lightning.cache import FLCache, StackWrite, _flock
-from fedshard_lightning.cli import main
 from fedshard_lightning.errors import CacheError
 
 
@@ -134,23 +132,12 @@ def test_a_crash_before_pruned_is_written_removes_nothing(tmp_path: Path, monkey
     _consistent(cache)
 
 
-def _cli(args: list[str]) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    code = 0
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            main(args)
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 1
-    return code, out.getvalue(), err.getvalue()
-
-
 def test_cli_gc_and_its_one_line_errors(tmp_path: Path) -> None:
     run = tmp_path / "run"
     cache, _ = _history(run)
-    code, out, err = _cli(["cache", "gc", "--ckpt_path", str(run), "--keep", "3"])
+    code, out, err = cli(["cache", "gc", "--ckpt_path", str(run), "--keep", "3"])
     assert code == 0 and "2 versions pruned" in out, err
-    code, out, err = _cli(["cache", "verify", "--ckpt_path", str(run), "--all"])
+    code, out, err = cli(["cache", "verify", "--ckpt_path", str(run), "--all"])
     assert code == 0 and "5 versions intact" in out, err
     for args, needle in [
         (
@@ -162,13 +149,13 @@ def test_cli_gc_and_its_one_line_errors(tmp_path: Path) -> None:
         (["cache", "gc", "--ckpt_path", str(run), "--keep", "two"], "invalid int"),
         (["cache", "compact", "--ckpt_path", str(run)], "invalid choice"),
     ]:
-        code, out, err = _cli(args)
+        code, out, err = cli(args)
         lines = [line for line in err.splitlines() if line.strip()]
         assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], (
             args,
             err,
         )
     with _flock(run):  # an unlearn (or another gc) holds the run
-        code, _, err = _cli(["cache", "gc", "--ckpt_path", str(run), "--keep", "1"])
+        code, _, err = cli(["cache", "gc", "--ckpt_path", str(run), "--keep", "1"])
     assert code == 2 and "another process" in err and len(err.strip().splitlines()) == 1
     assert cache.pruned() == {"0001-v", "0002-v"}

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import json
 import os
 import shutil
@@ -21,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from _cli import cli as cli  # re-exported: the reliability tests and scripts/ import it from here
 
 from fedshard_lightning.cache import FLCache, load_tensors
-from fedshard_lightning.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,18 +43,6 @@ TINY = [
     "--trainer.enable_progress_bar",
     "false",
 ]
-
-
-def cli(args: list[str]) -> tuple[int, str, str]:
-    """Run ``main(args)`` in-process; returns (exit status, stdout, stderr)."""
-    out, err = io.StringIO(), io.StringIO()
-    code = 0
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            main(args)
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 1
-    return code, out.getvalue(), err.getvalue()
 
 
 def copy_run(src: Path, dst: Path) -> Path:
