@@ -123,18 +123,23 @@ def profile_fit(name: str, make: Any, top: int, repeats: int) -> None:
     report(f"{name}, default callbacks", prof, metrics["seconds"], top)
 
 
-def profile_unlearn(k: int, top: int) -> None:
-    """Fit FedShard at K (synthetic, quiet, stacked) and profile one single-client request."""
-    dm = SyntheticDataModule(
+def _synthetic(k: int, num_test: int, **kw: float) -> SyntheticDataModule:
+    """unlearning_speed.py's data: K IID clients of 20 samples with 64 features."""
+    return SyntheticDataModule(
         num_clients=k,
         partition="iid",
         min_client_size=1,
         seed=0,
         num_samples=20 * k,
-        num_test=2000,
+        num_test=num_test,
         shape=(64,),
-        noise=2.0,
+        **kw,
     )
+
+
+def profile_unlearn(k: int, top: int) -> None:
+    """Fit FedShard at K (synthetic, quiet, stacked) and profile one single-client request."""
+    dm = _synthetic(k, num_test=2000, noise=2.0)
     alg = FedShard(merge_rate=2, rounds="a2", t0=2, t1=8, batch_size=10, local_epochs=1)
     trainer = FederatedTrainer(
         algorithm=alg,
@@ -175,15 +180,7 @@ def round_cost(k: int, rounds: int = 40, repeats: int = 7) -> None:
     from fedshard_lightning.engine.engine import FederatedEngine, Group, stack_params
     from fedshard_lightning.engine.schedule import LocalSchedule
 
-    dm = SyntheticDataModule(
-        num_clients=k,
-        partition="iid",
-        min_client_size=1,
-        seed=0,
-        num_samples=20 * k,
-        num_test=200,
-        shape=(64,),
-    )
+    dm = _synthetic(k, num_test=200)
     dm.setup()
     torch.manual_seed(0)
     model = MLP(hidden=(64, 64), lr=0.1)
