@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from _models import BNDropoutCNN, CumulativeBNMLP, DropoutCNN, FunctionalDropoutMLP, PlainMLP
+from _tiny import tiny_data
 
 from fedshard_lightning.data import SyntheticDataModule
 from fedshard_lightning.engine import FederatedEngine, Group, LocalSchedule, predict_logits, stack_params
@@ -35,17 +36,7 @@ LOGGED = {
 
 
 def _data(shape):
-    dm = SyntheticDataModule(
-        num_clients=8,
-        partition="dirichlet",
-        rho=0.5,
-        min_client_size=5,
-        num_samples=160,
-        num_test=40,
-        shape=shape,
-        num_classes_=4,
-        as_uint8=len(shape) == 3,
-    )
+    dm = tiny_data(shape)
     dm.setup()
     return dm
 
@@ -199,17 +190,7 @@ def _trainer(root, vectorize):
 @pytest.mark.parametrize(("cls", "shape"), CASES)
 def test_fit_unlearn_audit_bit_exact_float32(tmp_path, cls, shape, vectorize):
     def data():
-        return SyntheticDataModule(
-            num_clients=8,
-            partition="dirichlet",
-            rho=0.5,
-            min_client_size=5,
-            num_samples=160,
-            num_test=40,
-            shape=shape,
-            num_classes_=4,
-            as_uint8=len(shape) == 3,
-        )
+        return tiny_data(shape)
 
     tr = _trainer(tmp_path, vectorize)
     tr.fit(_fresh(cls), data())
