@@ -61,6 +61,12 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=50_000)
     ap.add_argument("--stages", type=int, default=1)
     ap.add_argument("--vectorize", default="auto", choices=["auto", "always", "never"])
+    ap.add_argument(
+        "--tf32",
+        choices=["default", "on", "off"],
+        default="default",
+        help="trainer.tf32 null (torch's default: TF32 convolutions), true or false (IEEE)",
+    )
     args = ap.parse_args()
     dm = SyntheticDataModule(
         num_clients=args.clients,
@@ -82,10 +88,15 @@ def main() -> None:
         default_root_dir=tempfile.mkdtemp(prefix="cifar100-stage-"),
         enable_progress_bar=False,
         vectorize=args.vectorize,
+        tf32={"default": None, "on": True, "off": False}[args.tf32],
         callbacks=[timer],
     )
     dev = torch.cuda.get_device_name() if args.accelerator == "cuda" else "cpu"
-    print(f"torch {torch.__version__}, device {dev}, K={args.clients}, {args.samples} samples", flush=True)
+    print(
+        f"torch {torch.__version__}, device {dev}, K={args.clients}, {args.samples} samples, "
+        f"tf32 {args.tf32}",
+        flush=True,
+    )
     t = time.perf_counter()
     with contextlib.suppress(_Stop):
         trainer.fit(model, dm)

@@ -2,7 +2,9 @@
 # The GPU check of issue 19, in one call (under 8 minutes on one H100/H200):
 #   bash benchmarks/device_check.sh [LOG]       (default LOG: $OUT/device_check.log, else ./device_check.log)
 # Prints the device, runs the `cuda` tests, engine vs loop on CUDA (digits MLP, 2NN, FedAvg CNN,
-# ResNetGN at K=64 and 256, B=10; with and without batch invariance; torch.compile'd), utilisation against the GPU's own fp32 matmul peak, and one
+# ResNetGN at K=64 and 256, B=10; with and without batch invariance; the CNN with TF32 and
+# torch.compile'd), the stacked convolution routes, utilisation against the GPU's own fp32 matmul
+# peak, and one
 # FedShard stage of configs/cifar100.yaml on synthetic CIFAR-100-shaped data with the projected
 # time of the whole run. Each step has its own time limit, so one slow step cannot eat the rest.
 # Needs: torch with CUDA, lightning, torchmetrics, scikit-learn, safetensors, pytest (the package
@@ -23,12 +25,16 @@ step() { echo; echo "== $1 ($(date -u +%H:%M:%S))"; }
   step "engine vs loop, chunk budget ${BUDGET} MB"
   timeout 170 "$PY" benchmarks/engine_vs_loop.py --suite gpu --device cuda --rounds 3 --repeats 3 \
     --memory-budget-mb "$BUDGET" --variant-too
-  step "torch.compile'd stacked step (K=256)"
-  timeout 100 "$PY" benchmarks/engine_vs_loop.py --suite gpu --device cuda --rounds 3 --repeats 3 \
-    --memory-budget-mb "$BUDGET" --workloads digits-mlp cifar-cnn --clients 256 --compile
+  step "IEEE float32 (trainer.tf32 false) at K=256, and the torch.compile'd CIFAR CNN step"
+  timeout 80 "$PY" benchmarks/engine_vs_loop.py --suite gpu --device cuda --rounds 3 --repeats 3 \
+    --memory-budget-mb "$BUDGET" --workloads cifar-cnn cifar-resnetgn --clients 256 --tf32 off
+  timeout 60 "$PY" benchmarks/engine_vs_loop.py --suite gpu --device cuda --rounds 3 --repeats 3 \
+    --memory-budget-mb "$BUDGET" --workloads cifar-cnn --clients 256 --compile
+  step "stacked convolutions by route, IEEE and TF32"
+  timeout 40 "$PY" benchmarks/conv_modes.py --device cuda --tf32 both --repeats 5
   step "utilisation"
   timeout 45 "$PY" benchmarks/utilisation.py --device cuda
   step "FedShard stage 1 of configs/cifar100.yaml (synthetic CIFAR-100 shape)"
-  timeout 90 "$PY" benchmarks/cifar100_stage.py --accelerator cuda
+  timeout 150 "$PY" benchmarks/cifar100_stage.py --accelerator cuda
   step "done"
 } 2>&1 | tee "$LOG"

@@ -78,7 +78,7 @@ class BNDropoutCNN(FederatedModule):
         return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.5)]
 
 
-def workload(name: str, clients: int, device: str = "cpu"):
+def workload(name: str, clients: int, device: str = "cpu", tf32: bool | None = None):
     if name == "digits-mlp":
         dm = DigitsDataModule(num_clients=clients, partition="iid")
         model = MLP(hidden=(64, 64), lr=0.05)
@@ -119,7 +119,7 @@ def workload(name: str, clients: int, device: str = "cpu"):
     dm.setup()
     torch.manual_seed(0)
     model.bind_data(dm.input_shape, dm.num_classes)
-    configure_process(device)  # what the trainer does at launch
+    configure_process(device, tf32)  # what the trainer does at launch
     return model.to(device), dm.to(device)
 
 
@@ -183,6 +183,12 @@ def main() -> None:
         default=2048.0,
         help="the engine's chunk budget (trainer default 2048)",
     )
+    ap.add_argument(
+        "--tf32",
+        choices=["default", "on", "off"],
+        default="default",
+        help="CUDA: trainer.tf32 null (torch's default: TF32 convolutions), true or false (IEEE)",
+    )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
@@ -218,7 +224,7 @@ def main() -> None:
     dev = f", device {torch.cuda.get_device_name()}" if args.device.startswith("cuda") else ""
     print(
         f"torch {torch.__version__}, threads {torch.get_num_threads()}{dev}, medians of {args.repeats}, "
-        f"chunk budget {args.memory_budget_mb:.0f} MB"
+        f"chunk budget {args.memory_budget_mb:.0f} MB, tf32 {args.tf32}"
     )
     print(
         f"{'workload':<14} {'K':>5} {'B':>4} {'loop upd/s':>11} {'stacked upd/s':>14} {'ratio':>7} {'auto picks':>11}"
@@ -227,7 +233,7 @@ def main() -> None:
         + "  kernel"
     )
     for name, k, b in grid:
-        model, dm = workload(name, k, args.device)
+        model, dm = workload(name, k, args.device, {"default": None, "on": True, "off": False}[args.tf32])
         rounds = args.rounds if "mlp" in name or "2nn" in name else 1
         kw = dict(device=args.device, budget_mb=args.memory_budget_mb)
         t_loop, n, _, _ = time_mode(model, dm, "never", b, rounds, args.repeats, **kw)

@@ -208,7 +208,12 @@ def run_fit(trainer: Any, run_dir: Path, resume: bool, exclude: list[int]) -> di
 
 
 def launch_fabric(
-    accelerator: str, devices: int | str, strategy: str, precision: str, num_threads: int | None = None
+    accelerator: str,
+    devices: int | str,
+    strategy: str,
+    precision: str,
+    num_threads: int | None = None,
+    tf32: bool | None = None,
 ) -> L.Fabric:
     """Create and launch Fabric (with ``strategy: ddp`` this starts the other processes).
 
@@ -223,7 +228,7 @@ def launch_fabric(
             f"trainer.strategy={strategy!r}, trainer.precision={precision!r}: {e}"
         ) from None
     fabric.launch()
-    configure_process(fabric.device)
+    configure_process(fabric.device, tf32)
     if num_threads is not None:
         torch.set_num_threads(num_threads)
     if fabric.is_global_zero and fabric.device.type == "cpu":

@@ -3,9 +3,10 @@
 The engine makes a client's arithmetic independent of who shares its computation
 (docs/unlearning.md), but not of the machine: the device, the torch build, the thread count (MKL
 and oneDNN split reductions by thread), the kernel family and the fixed-shape block size change
-float32 rounding. ``fit`` records them in ``RUN/numerics.json``; ``unlearn`` and ``audit``
-reproduce the thread count and warn, in one line each, about what they cannot reproduce, and
-``audit`` names a mismatch as the likely cause when it fails.
+float32 rounding, and so does TF32 on CUDA (``trainer.tf32``). ``fit`` records them in
+``RUN/numerics.json``; ``unlearn`` and ``audit`` reproduce the thread count and the TF32 switch,
+warn in one line each about what they cannot reproduce, and ``audit`` names a mismatch as the
+likely cause when it fails.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 
 from fedshard_lightning.cache import atomic_write_json
+from fedshard_lightning.engine.allocator import configure_process, tf32_flags
 
 __all__ = ["FILE", "current", "oversubscription_warning", "record", "reproduce"]
 
@@ -37,6 +39,8 @@ def current(trainer: Any) -> dict[str, Any]:
         "engine_mode": eng.mode,
         "batch_invariant": eng.batch_invariant,
         "compile": eng.local.compiled,
+        # (convolutions, matmuls) in TF32; a CPU has none
+        "tf32": list(tf32_flags(trainer.tf32)) if device.type == "cuda" else [False, False],
     }
     if eng.mode == "stacked":
         env["kernel"] = str(eng.local.kernel_choice) if eng.local.kernel_choice else None
@@ -70,6 +74,17 @@ def reproduce(run_dir: Path, trainer: Any) -> list[str]:
             f"threads: fit used {threads}, this process had {torch.get_num_threads()}; using {threads}"
         )
         torch.set_num_threads(threads)
+    fit_tf32 = fit_env.get("tf32")
+    if trainer.device.type == "cuda" and fit_tf32 in ([True, False], [True, True], [False, False]):
+        now_tf32 = list(tf32_flags(trainer.tf32))
+        if fit_tf32 != now_tf32:
+            setting = {(True, False): None, (True, True): True, (False, False): False}[tuple(fit_tf32)]
+            notes.append(
+                f"tf32 (convolutions, matmuls): fit ran with {fit_tf32}, this process had {now_tf32}; "
+                f"using fit's (trainer.tf32: {json.dumps(setting)})"
+            )
+            trainer.tf32 = setting
+            configure_process(trainer.device, setting)
     now = current(trainer)
     for key in (
         "device",

@@ -77,6 +77,10 @@ class FederatedTrainer:
             so unlearning audits bit-exact (default; costs up to 2.2x on launch-bound GPU MLPs,
             docs/gpu.md). False lets stacked calls shrink as clients finish.
         compile: ``torch.compile`` the stacked step (exact against eager; no speed-up measured).
+        tf32: TF32 tensor cores on CUDA: ``null`` keeps torch's defaults (convolutions in TF32,
+            matmuls in IEEE float32), ``true`` TF32 in both, ``false`` IEEE float32 in both.
+            Every setting is deterministic and audits bit-exact; each gives other bits, so the
+            flags are recorded in ``RUN/numerics.json`` and reused by unlearn and audit.
     """
 
     def __init__(
@@ -104,6 +108,7 @@ class FederatedTrainer:
         seed: int = 0,
         batch_invariant: bool = True,
         compile: bool = False,
+        tf32: bool | None = None,
     ) -> None:
         algorithm = check_options(
             algorithm,
@@ -134,6 +139,7 @@ class FederatedTrainer:
         self.num_threads = num_threads
         self.seed = int(seed)
         self.batch_invariant, self.compile = bool(batch_invariant), bool(compile)
+        self.tf32 = None if tf32 is None else bool(tf32)
         self.numerics_notes: list[str] = []
         self.config_yaml: str | None = None
         self.fabric: L.Fabric | None = None
@@ -177,7 +183,7 @@ class FederatedTrainer:
         if self.fabric is not None:
             return
         self.fabric = launch_fabric(
-            self.accelerator, self.devices, self.strategy, self.precision, self.num_threads
+            self.accelerator, self.devices, self.strategy, self.precision, self.num_threads, self.tf32
         )
 
     def _setup(

@@ -27,6 +27,7 @@ def test_fit_records_unlearn_and_audit_reproduce_threads(tmp_path, capsys):
     env = json.loads((tr.run_dir / "numerics.json").read_text())
     assert env["threads"] == 1 and env["engine_mode"] == "stacked" and env["batch_invariant"] is True
     assert env["kernel"] == "fx+chain" and env["invariant_block"] is None and env["device"] == "cpu"
+    assert env["tf32"] == [False, False]  # a CUDA-only switch: never on for a CPU run
     _trainer(tmp_path, num_threads=1).unlearn(*_fresh(), str(tr.run_dir), [3])
     torch.set_num_threads(2)
     try:

@@ -14,7 +14,7 @@ import ctypes
 import ctypes.util
 import os
 
-__all__ = ["configure_process", "retain_freed_memory"]
+__all__ = ["configure_process", "retain_freed_memory", "tf32_flags"]
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -42,13 +42,21 @@ def retain_freed_memory(mmap_threshold: int = 256 << 20, trim_threshold: int = 1
     return _done
 
 
-def configure_process(device: str | object) -> None:
+def tf32_flags(tf32: bool | None) -> tuple[bool, bool]:
+    """(cuDNN convolutions, cuBLAS matmuls) in TF32 for ``trainer.tf32``; None is torch's default."""
+    return (True, False) if tf32 is None else (bool(tf32), bool(tf32))
+
+
+def configure_process(device: str | object, tf32: bool | None = None) -> None:
     """Process-wide settings for training on ``device``, applied once at start-up.
 
     The trainer calls this when it launches (benchmarks that build engines directly call it too);
     constructing an engine changes nothing outside itself. CUDA keeps its own caching allocator;
     there cuDNN is limited to deterministic algorithms, so that the same shapes give the same bits
-    (exact unlearning), and does not benchmark algorithms per shape.
+    (exact unlearning), and does not benchmark algorithms per shape. TF32 is set explicitly
+    (:func:`tf32_flags`), so a process's bits never depend on what ran in it before: ``None``
+    keeps torch's defaults (convolutions TF32, matmuls IEEE), ``True`` TF32 in both, ``False``
+    IEEE float32 in both (2.8x slower for ResNetGN on an H100, docs/gpu.md).
     """
     kind = str(device).split(":")[0]
     if kind == "cpu":
@@ -58,3 +66,8 @@ def configure_process(device: str | object) -> None:
 
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
+        # The legacy switches: torch._inductor (trainer.compile) still reads them, and mixing
+        # them with the per-operator fp32_precision API raises.
+        conv, matmul = tf32_flags(tf32)
+        torch.backends.cudnn.allow_tf32 = conv
+        torch.backends.cuda.matmul.allow_tf32 = matmul

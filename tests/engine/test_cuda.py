@@ -95,8 +95,9 @@ def test_client_result_independent_of_chunk_neighbours_float32(cls):
             assert torch.equal(alone.params[k][0], res.params[k][cl.index(1)]), (cl, k)
 
 
-def _trainer(root, accelerator=CUDA, vectorize="always"):
+def _trainer(root, accelerator=CUDA, vectorize="always", tf32=None):
     return FederatedTrainer(
+        tf32=tf32,
         algorithm=FedShard(rounds="fixed", fixed_rounds=2, batch_size=5),
         accelerator=accelerator,
         default_root_dir=str(root),
@@ -170,3 +171,82 @@ def test_compiled_step_equals_eager_float64():
         groups = [Group(0, tuple(range(k // 2)), 2), Group(1, tuple(range(k // 2, k)), 1)]
         out[compiled] = eng.train_groups(stack_params([eng.module_params()] * 2), groups, stage=1).params
     assert max(float((out[True][k] - out[False][k]).abs().max()) for k in out[True]) <= 1e-10
+
+
+def test_tf32_false_gives_ieee_convolutions_and_matmuls():
+    """torch runs cuDNN convolutions in TF32 by default; ``tf32=False`` holds them to IEEE.
+
+    TF32 keeps 10 mantissa bits: its relative error on these sums is ~3e-4; IEEE float32's ~1e-6.
+    """
+    from fedshard_lightning.engine.allocator import configure_process
+    from fedshard_lightning.engine.stacked import stacked_conv2d
+
+    configure_process(CUDA, tf32=False)
+
+    gen = torch.Generator().manual_seed(0)
+    c, b = 8, 10
+    x = torch.randn(c * b, 32, 16, 16, generator=gen)
+    w = torch.randn(c, 64, 32, 5, 5, generator=gen) * 0.1
+    a, m = torch.randn(c, 64, 512, generator=gen), torch.randn(c, 512, 64, generator=gen)
+
+    def rel(got, want):
+        return float((got.double() - want).abs().max() / want.abs().max())
+
+    want_conv = stacked_conv2d(x.double(), w.double(), None, 1, 2, 1)
+    got_conv = stacked_conv2d(x.to(CUDA), w.to(CUDA), None, 1, 2, 1).cpu()
+    g = torch.randn(c * b, 64, 16, 16, generator=gen)
+    want_gw = torch.ops.aten.convolution_backward(
+        g.double(),
+        x.double(),
+        w[0].double(),
+        None,
+        [1, 1],
+        [2, 2],
+        [1, 1],
+        False,
+        [0, 0],
+        1,
+        [False, True, False],
+    )[1]
+    got_gw = torch.ops.aten.convolution_backward(
+        g.to(CUDA),
+        x.to(CUDA),
+        w[0].to(CUDA),
+        None,
+        [1, 1],
+        [2, 2],
+        [1, 1],
+        False,
+        [0, 0],
+        1,
+        [False, True, False],
+    )[1].cpu()
+    assert rel(got_conv, want_conv) < 2e-5
+    assert rel(got_gw, want_gw) < 2e-5
+    assert rel(torch.bmm(a.to(CUDA), m.to(CUDA)).cpu(), torch.bmm(a.double(), m.double())) < 2e-5
+    configure_process(CUDA)
+
+
+def test_tf32_run_is_recorded_reproduced_and_audits_bit_exact(tmp_path):
+    """``trainer.tf32``: fit records it; unlearn and audit without it reuse it, and stay bit-exact."""
+    import json
+
+    from fedshard_lightning.engine.allocator import configure_process
+
+    try:
+        tr = _trainer(tmp_path, tf32=True)
+        tr.fit(*_fresh(FedAvgCNN, (1, 28, 28)))
+        run = str(tr.run_dir)
+        assert json.loads((tr.run_dir / "numerics.json").read_text())["tf32"] == [True, True]
+        configure_process(CUDA)
+        un = _trainer(tmp_path)
+        un.unlearn(*_fresh(FedAvgCNN, (1, 28, 28)), run, [3])
+        assert any(
+            n.startswith("tf32 (convolutions, matmuls): fit ran with [True, True]") for n in un.numerics_notes
+        )
+        assert torch.backends.cuda.matmul.allow_tf32
+        configure_process(CUDA)
+        res = _trainer(tmp_path).audit(*_fresh(FedAvgCNN, (1, 28, 28)), run, tolerance=0.0)
+        assert res["max_abs_diff"] == 0.0
+    finally:
+        configure_process(CUDA)
