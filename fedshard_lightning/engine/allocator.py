@@ -56,7 +56,7 @@ def configure_process(device: str | object, tf32: bool | None = None) -> None:
     (exact unlearning), and does not benchmark algorithms per shape. TF32 is set explicitly
     (:func:`tf32_flags`), so a process's bits never depend on what ran in it before: ``None``
     keeps torch's defaults (convolutions TF32, matmuls IEEE), ``True`` TF32 in both, ``False``
-    IEEE float32 in both (2.8x slower for ResNetGN on an H100, docs/gpu.md).
+    IEEE float32 in both (ResNetGN ran 2.8x slower so on an H100, docs/gpu.md).
     """
     kind = str(device).split(":")[0]
     if kind == "cpu":
