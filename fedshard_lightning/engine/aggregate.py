@@ -22,6 +22,9 @@ from torch import Tensor
 __all__ = ["BLOCK", "GroupSums", "block_plan", "mix_rows", "tree_sum"]
 
 BLOCK = 64
+# Elements of a chunk's models above which they are weighted tensor by tensor into the flat matrix
+# rather than concatenated and then weighted (the same products, so the same bits).
+_ONE_PASS = 1 << 16
 
 
 def tree_sum(x: Tensor) -> Tensor:
@@ -83,12 +86,21 @@ class GroupSums:
         w = weights.to(dtype=next(iter(params.values())).dtype)
         rows = []
         for names in self.kinds:
-            x = (
-                torch.cat([params[k].reshape(m, -1) for k in names], 1)
-                if len(names) > 1
-                else params[names[0]].reshape(m, -1)
-            )
-            rows.append(x * w.to(device=x.device).unsqueeze(1))
+            first = params[names[0]]
+            wcol = w.to(device=first.device).unsqueeze(1)
+            width = sum(self.numel[k] for k in names)
+            if len(names) == 1:
+                rows.append(first.reshape(m, -1) * wcol)
+            elif m * width < _ONE_PASS:  # few elements: two calls cost less than one per tensor
+                rows.append(torch.cat([params[k].reshape(m, -1) for k in names], 1) * wcol)
+            else:  # weighted rows written straight into the flat matrix: one pass over memory
+                x = first.new_empty((m, width))
+                off = 0
+                for k in names:
+                    n = self.numel[k]
+                    torch.mul(params[k].reshape(m, n), wcol, out=x[:, off : off + n])
+                    off += n
+                rows.append(x)
         if self._carry is not None:
             old, old_meta = self._carry
             rows = [torch.cat([a, b]) for a, b in zip(old, rows)]

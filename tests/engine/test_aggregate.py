@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -50,6 +51,31 @@ def test_group_sums_equal_reference_bitwise_for_any_chunking(sizes, chunk, seed)
     for g, n in enumerate(sizes):
         want = _reference(rows[g], weights[g]) if n else torch.zeros(d)
         assert torch.equal(got[g], want), g
+
+
+@pytest.mark.parametrize("one_pass", [0, 1 << 40], ids=["weighted-into-flat", "concatenated"])
+def test_several_tensors_sum_like_each_alone(monkeypatch, one_pass):
+    """Both ways of flattening several tensors (by chunk size) give each tensor's own reference bits."""
+    from fedshard_lightning.engine import aggregate
+
+    monkeypatch.setattr(aggregate, "_ONE_PASS", one_pass)
+    gen = torch.Generator().manual_seed(3)
+    shapes = {"a": (5,), "b": (4, 3), "c": (2,)}
+    sizes = [70, 3]
+    like = {k: torch.zeros(len(sizes), *s) for k, s in shapes.items()}
+    rows = [{k: torch.randn(sum(sizes), *s, generator=gen) for k, s in shapes.items()}]
+    weights = torch.randint(1, 90, (sum(sizes),), generator=gen).double()
+    owners = [0] * sizes[0] + [1] * sizes[1]
+    sums = GroupSums(like, sizes)
+    for lo in range(0, len(owners), 33):
+        sums.add(
+            {k: v[lo : lo + 33] for k, v in rows[0].items()}, weights[lo : lo + 33], owners[lo : lo + 33]
+        )
+    got = sums.totals()
+    for k in shapes:
+        for g, (lo, hi) in enumerate([(0, sizes[0]), (sizes[0], sum(sizes))]):
+            want = _reference(list(rows[0][k][lo:hi]), weights[lo:hi].tolist())
+            assert torch.equal(got[k][g], want), (k, g)
 
 
 def test_mix_rows_is_termwise_and_subset_invariant():
