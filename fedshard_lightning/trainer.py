@@ -27,7 +27,7 @@ from fedshard_lightning.callbacks import FederatedCallback, default_callbacks
 from fedshard_lightning.commands import run_audit, run_test
 from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.deployed import save_model
-from fedshard_lightning.engine import evaluate
+from fedshard_lightning.engine.evaluate import Evaluator
 from fedshard_lightning.errors import FedShardError
 from fedshard_lightning.fingerprint import fingerprint, readable_body
 from fedshard_lightning.loggers import run_loggers, wandb_state
@@ -150,6 +150,7 @@ class FederatedTrainer:
         self.history: list[dict[str, float]] = []
         self.client_sizes: list[int] = []
         self._test_data: tuple[Tensor, Tensor] | None = None
+        self._evaluator: Evaluator | None = None
 
     # -- properties ------------------------------------------------------------------------------
     @property
@@ -210,6 +211,7 @@ class FederatedTrainer:
         self.module = self.fabric.strategy.precision.convert_module(model).to(self.device)
         datamodule.to(self.device)
         self._test_data = None
+        self._evaluator = None
         self.history = []
         self._events = TrainerEvents(self)
         self.algorithm.setup(self._events.context())
@@ -220,7 +222,9 @@ class FederatedTrainer:
         """Test accuracy and loss of a model given by its parameters."""
         if self._test_data is None:
             self._test_data = self.datamodule.test_data(param_dtype(self.module))
-        return evaluate(self.module, params, *self._test_data)
+        if self._evaluator is None:
+            self._evaluator = Evaluator(self.module)
+        return self._evaluator(params, *self._test_data)
 
     def _set_params(self, params: dict[str, Tensor]) -> None:
         named = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-__all__ = ["evaluate", "predict_logits"]
+__all__ = ["Evaluator", "evaluate", "predict_logits"]
 
 
 @torch.no_grad()
@@ -30,8 +32,56 @@ def predict_logits(module: nn.Module, params: dict[str, Tensor], x: Tensor, batc
 
 
 @torch.no_grad()
+def _metrics(logits: Tensor, y: Tensor) -> tuple[float, float]:
+    """Accuracy and mean cross-entropy (float64), read back to the host in one copy."""
+    loss = torch.nn.functional.cross_entropy(logits.double(), y)
+    acc = (logits.argmax(-1) == y).double().mean()
+    acc_f, loss_f = torch.stack([acc, loss]).tolist()
+    return acc_f, loss_f
+
+
+@torch.no_grad()
 def evaluate(module: nn.Module, params: dict[str, Tensor], x: Tensor, y: Tensor) -> tuple[float, float]:
     """Accuracy and mean cross-entropy of one model."""
-    logits = predict_logits(module, params, x)
-    loss = torch.nn.functional.cross_entropy(logits.double(), y).item()
-    return (logits.argmax(-1) == y).double().mean().item(), loss
+    return _metrics(predict_logits(module, params, x), y)
+
+
+class Evaluator:
+    """:func:`evaluate` for a model evaluated again and again (every round of a fit).
+
+    It keeps a private copy of the module in eval mode and copies the parameters into it, so an
+    evaluation is a plain forward: no ``functional_call`` re-binding and no train/eval switching
+    of the user's module, which cost more than the forward itself for small models (0.32 ms
+    against 0.16 ms per digits evaluation, docs/benchmarks.md). The copy runs the same operators on
+    the same values as :func:`evaluate`, so the metrics are the same bits. Tensors that ``params``
+    does not hold (frozen weights, buffers such as ``num_batches_tracked``) are read from the
+    user's module at each call, as :func:`predict_logits` does.
+
+    Args:
+        module: The user's module (never modified).
+        batch_size: Samples per forward.
+    """
+
+    def __init__(self, module: nn.Module, batch_size: int = 2048) -> None:
+        self.module = module
+        self.batch_size = batch_size
+        self._copy: nn.Module | None = None
+        self._own: dict[str, Tensor] = {}
+        self._live: dict[str, Tensor] = {}
+
+    @torch.no_grad()
+    def __call__(self, params: dict[str, Tensor], x: Tensor, y: Tensor) -> tuple[float, float]:
+        """Accuracy and mean cross-entropy of the model with ``params``."""
+        if self._copy is None:
+            self._copy = copy.deepcopy(self.module).eval()
+            self._own = {**dict(self._copy.named_parameters()), **dict(self._copy.named_buffers())}
+            self._live = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
+        keys = list(params)
+        rest = [k for k in self._own if k not in params]
+        torch._foreach_copy_(
+            [self._own[k] for k in keys + rest],
+            [params[k] for k in keys] + [self._live[k] for k in rest],
+        )
+        step = self.batch_size
+        logits = torch.cat([self._copy(x[i : i + step]) for i in range(0, len(x), step)])
+        return _metrics(logits, y)
