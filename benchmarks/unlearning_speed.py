@@ -52,7 +52,9 @@ from fedshard_lightning.unlearning.base import Algorithm
 LOCAL = {"batch_size": 10, "local_epochs": 1}
 
 
-def build(k: int, dataset: str, per_client: int, seed: int = 0) -> tuple[MLP, FederatedDataModule]:
+def build(
+    k: int, dataset: str, per_client: int, seed: int = 0, hidden: tuple[int, ...] = (64, 64)
+) -> tuple[MLP, FederatedDataModule]:
     """The model and the IID data of K clients (digits, or a synthetic set of ``per_client`` * K samples)."""
     if dataset == "digits":
         dm = DigitsDataModule(num_clients=k, partition="iid", min_client_size=1, seed=seed)
@@ -67,7 +69,7 @@ def build(k: int, dataset: str, per_client: int, seed: int = 0) -> tuple[MLP, Fe
             shape=(64,),
             noise=2.0,
         )
-    return MLP(hidden=(64, 64), lr=0.1), dm
+    return MLP(hidden=hidden, lr=0.1), dm
 
 
 @dataclass
@@ -111,7 +113,7 @@ def fit(name: str, alg: Algorithm, k: int, args: argparse.Namespace) -> Method:
     """Train ``alg`` on the shared config; record its training budget and test accuracy."""
     trainer = quiet_trainer(alg, vectorize="always")
     with silence():
-        metrics = trainer.fit(*build(k, args.dataset, args.samples_per_client))
+        metrics = trainer.fit(*build(k, args.dataset, args.samples_per_client, hidden=tuple(args.hidden)))
     return Method(name, trainer, int(metrics["client_steps"]), float(metrics["test_accuracy"]))
 
 
@@ -203,6 +205,13 @@ def main() -> None:
     ap.add_argument("--clients", type=int, nargs="+", default=[64, 256, 1024])
     ap.add_argument("--dataset", choices=["digits", "synthetic"], default="synthetic")
     ap.add_argument("--samples-per-client", type=int, default=20, help="synthetic data only")
+    ap.add_argument(
+        "--hidden",
+        type=int,
+        nargs="+",
+        default=[64, 64],
+        help="MLP hidden widths: wider gives each client more work per round against the fixed cost",
+    )
     ap.add_argument("--requests", type=int, default=3, help="single-client requests per method (>= 3)")
     ap.add_argument("--merge-rate", type=int, default=2)
     ap.add_argument("--t0", type=int, default=2)

@@ -106,7 +106,9 @@ def oversubscription_warning(threads: int, load: float | None = None, cores: int
     """One line when this run's threads plus the machine's load exceed its cores, else None.
 
     OpenMP threads that wait for busy cores spin: two threads under contention ran a CIFAR round
-    6x slower than one thread (141 s against 22.7 s), so the user should hear about it.
+    6x slower than one thread (141 s against 22.7 s), so the user should hear about it. Only a
+    load of more than one extra core counts: the 1-minute average keeps about 0.6 from the
+    user's own previous command for a minute, which warned after every run on a quiet machine.
     """
     cores = cores or os.cpu_count() or 1
     if load is None:
@@ -114,7 +116,7 @@ def oversubscription_warning(threads: int, load: float | None = None, cores: int
             load = os.getloadavg()[0]
         except (AttributeError, OSError):
             return None
-    if threads <= 1 or load + threads <= cores + 0.5:
+    if threads <= 1 or load + threads <= cores + 1.0:
         return None
     return (
         f"warning: {threads} CPU threads on {cores} cores already loaded {load:.1f}: oversubscribed, "

@@ -319,6 +319,8 @@ def test_num_threads_is_applied_and_oversubscription_warned():
     assert "--trainer.num_threads 1" in oversubscription_warning(2, load=2.0, cores=2)
     assert oversubscription_warning(1, load=5.0, cores=2) is None
     assert oversubscription_warning(2, load=0.0, cores=2) is None
+    assert oversubscription_warning(2, load=0.7, cores=2) is None  # the previous command's echo
+    assert oversubscription_warning(2, load=1.3, cores=2) is not None  # another busy core
     with pytest.raises(Exception, match="num_threads"):
         FederatedTrainer(num_threads=0)
 
