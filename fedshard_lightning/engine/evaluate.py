@@ -55,7 +55,8 @@ class Evaluator:
     against 0.16 ms per digits evaluation, docs/benchmarks.md). The copy runs the same operators on
     the same values as :func:`evaluate`, so the metrics are the same bits. Tensors that ``params``
     does not hold (frozen weights, buffers such as ``num_batches_tracked``) are read from the
-    user's module at each call, as :func:`predict_logits` does.
+    user's module at each call, as :func:`predict_logits` does. A module that cannot be deep-copied
+    (it holds a lock, a file or a process handle) is evaluated by :func:`evaluate` instead.
 
     Args:
         module: The user's module (never modified).
@@ -66,14 +67,21 @@ class Evaluator:
         self.module = module
         self.batch_size = batch_size
         self._copy: nn.Module | None = None
+        self._copyable = True
         self._own: dict[str, Tensor] = {}
         self._live: dict[str, Tensor] = {}
 
     @torch.no_grad()
     def __call__(self, params: dict[str, Tensor], x: Tensor, y: Tensor) -> tuple[float, float]:
         """Accuracy and mean cross-entropy of the model with ``params``."""
+        if not self._copyable:
+            return evaluate(self.module, params, x, y)
         if self._copy is None:
-            self._copy = copy.deepcopy(self.module).eval()
+            try:
+                self._copy = copy.deepcopy(self.module).eval()
+            except (TypeError, copy.Error, RuntimeError, AttributeError):  # "cannot pickle '_thread.lock'"
+                self._copyable = False
+                return evaluate(self.module, params, x, y)
             self._own = {**dict(self._copy.named_parameters()), **dict(self._copy.named_buffers())}
             self._live = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
         keys = list(params)

@@ -56,3 +56,17 @@ def test_evaluator_gives_the_bits_of_functional_call_and_leaves_the_module_alone
     after = net.state_dict()
     assert torch.equal(after["frozen.weight"], before["frozen.weight"] * 2.0)
     assert all(torch.equal(after[k], before[k]) for k in before if k != "frozen.weight")
+
+
+def test_a_module_that_cannot_be_copied_is_evaluated_in_place():
+    """A user's module holding a lock (deepcopy raises) still evaluates, by ``functional_call``."""
+    import threading
+
+    gen = torch.Generator().manual_seed(1)
+    net = _BNDropNet().train()
+    net.lock = threading.Lock()
+    x, y = torch.randn(20, 6, generator=gen), torch.randint(0, 3, (20,), generator=gen)
+    params = _params(net, gen)
+    ev = Evaluator(net)
+    assert ev(params, x, y) == evaluate(net, params, x, y)
+    assert ev(params, x, y) == evaluate(net, params, x, y) and net.training
