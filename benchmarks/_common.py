@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import tempfile
@@ -24,3 +25,21 @@ def silence():
     """Swallow the trainer's prints."""
     with contextlib.redirect_stdout(io.StringIO()):
         yield
+
+
+_TF32 = {"default": None, "on": True, "off": False}
+
+
+def add_tf32_option(ap: argparse.ArgumentParser) -> None:
+    """``--tf32 default|on|off``: ``trainer.tf32`` null, true or false (read with :func:`tf32_setting`)."""
+    ap.add_argument(
+        "--tf32",
+        choices=list(_TF32),
+        default="default",
+        help="CUDA: trainer.tf32 null (torch's default: TF32 convolutions), true or false (IEEE)",
+    )
+
+
+def tf32_setting(name: str) -> bool | None:
+    """The ``trainer.tf32`` value of a ``--tf32`` choice."""
+    return _TF32[name]

@@ -19,6 +19,7 @@ import tempfile
 import time
 
 import torch
+from _common import add_tf32_option, tf32_setting
 
 from fedshard_lightning.callbacks.base import FederatedCallback
 from fedshard_lightning.data import SyntheticDataModule
@@ -61,12 +62,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=50_000)
     ap.add_argument("--stages", type=int, default=1)
     ap.add_argument("--vectorize", default="auto", choices=["auto", "always", "never"])
-    ap.add_argument(
-        "--tf32",
-        choices=["default", "on", "off"],
-        default="default",
-        help="trainer.tf32 null (torch's default: TF32 convolutions), true or false (IEEE)",
-    )
+    add_tf32_option(ap)
     args = ap.parse_args()
     dm = SyntheticDataModule(
         num_clients=args.clients,
@@ -88,7 +84,7 @@ def main() -> None:
         default_root_dir=tempfile.mkdtemp(prefix="cifar100-stage-"),
         enable_progress_bar=False,
         vectorize=args.vectorize,
-        tf32={"default": None, "on": True, "off": False}[args.tf32],
+        tf32=tf32_setting(args.tf32),
         callbacks=[timer],
     )
     dev = torch.cuda.get_device_name() if args.accelerator == "cuda" else "cpu"

@@ -18,6 +18,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from _common import add_tf32_option, tf32_setting
 from torch import nn
 
 from fedshard_lightning.data import DigitsDataModule, SyntheticDataModule
@@ -183,12 +184,7 @@ def main() -> None:
         default=2048.0,
         help="the engine's chunk budget (trainer default 2048)",
     )
-    ap.add_argument(
-        "--tf32",
-        choices=["default", "on", "off"],
-        default="default",
-        help="CUDA: trainer.tf32 null (torch's default: TF32 convolutions), true or false (IEEE)",
-    )
+    add_tf32_option(ap)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
@@ -233,7 +229,7 @@ def main() -> None:
         + "  kernel"
     )
     for name, k, b in grid:
-        model, dm = workload(name, k, args.device, {"default": None, "on": True, "off": False}[args.tf32])
+        model, dm = workload(name, k, args.device, tf32_setting(args.tf32))
         rounds = args.rounds if "mlp" in name or "2nn" in name else 1
         kw = dict(device=args.device, budget_mb=args.memory_budget_mb)
         t_loop, n, _, _ = time_mode(model, dm, "never", b, rounds, args.repeats, **kw)

@@ -85,10 +85,10 @@ class GroupSums:
         m = len(owners)
         w = weights.to(dtype=next(iter(params.values())).dtype)
         rows = []
-        for names in self.kinds:
+        for names, flat in zip(self.kinds, self.flat):
             first = params[names[0]]
             wcol = w.to(device=first.device).unsqueeze(1)
-            width = sum(self.numel[k] for k in names)
+            width = flat.shape[1]
             if len(names) == 1:
                 rows.append(first.reshape(m, -1) * wcol)
             elif m * width < _ONE_PASS:  # few elements: two calls cost less than one per tensor

@@ -195,32 +195,13 @@ def test_tf32_false_gives_ieee_convolutions_and_matmuls():
     want_conv = stacked_conv2d(x.double(), w.double(), None, 1, 2, 1)
     got_conv = stacked_conv2d(x.to(CUDA), w.to(CUDA), None, 1, 2, 1).cpu()
     g = torch.randn(c * b, 64, 16, 16, generator=gen)
-    want_gw = torch.ops.aten.convolution_backward(
-        g.double(),
-        x.double(),
-        w[0].double(),
-        None,
-        [1, 1],
-        [2, 2],
-        [1, 1],
-        False,
-        [0, 0],
-        1,
-        [False, True, False],
-    )[1]
-    got_gw = torch.ops.aten.convolution_backward(
-        g.to(CUDA),
-        x.to(CUDA),
-        w[0].to(CUDA),
-        None,
-        [1, 1],
-        [2, 2],
-        [1, 1],
-        False,
-        [0, 0],
-        1,
-        [False, True, False],
-    )[1].cpu()
+
+    def weight_grad(cast):  # the gradient of one client's 5x5 convolution weight, padding 2
+        args = (cast(g), cast(x), cast(w[0]), None, [1, 1], [2, 2], [1, 1], False, [0, 0], 1)
+        return torch.ops.aten.convolution_backward(*args, [False, True, False])[1].cpu()
+
+    want_gw = weight_grad(torch.Tensor.double)
+    got_gw = weight_grad(lambda t: t.to(CUDA))
     assert rel(got_conv, want_conv) < 2e-5
     assert rel(got_gw, want_gw) < 2e-5
     assert rel(torch.bmm(a.to(CUDA), m.to(CUDA)).cpu(), torch.bmm(a.double(), m.double())) < 2e-5
