@@ -15,6 +15,7 @@ from typing import Any
 
 from torch import Tensor
 
+from fedshard_lightning.callbacks.dispatch import call_hook
 from fedshard_lightning.deployed import load_model
 from fedshard_lightning.run_dir import existing_run_dir, run_lock
 from fedshard_lightning.tensor_schema import schema_of
@@ -47,16 +48,16 @@ def run_test(trainer: Any, model: Any, datamodule: Any, ckpt_path: str | None) -
 def _test_metrics(trainer: Any, params: dict[str, Tensor], weights: Path) -> dict[str, Any]:
     acc, loss = trainer.evaluate(params)
     metrics = {"test_accuracy": acc, "test_loss": loss, "checkpoint": str(weights)}
-    trainer.fabric.call("on_test_end", trainer, metrics=metrics)
+    call_hook(trainer.fabric, "on_test_end", trainer, metrics=metrics)
     trainer._print(f"test: test_accuracy={acc:.4f} test_loss={loss:.4f} ({weights})")
     return metrics
 
 
 def run_audit(trainer: Any, tolerance: float) -> dict[str, Any]:
     """``audit`` once the run is loaded: print the verdict; a failure names the likely cause and exits 1."""
-    trainer.fabric.call("on_audit_start", trainer)
+    call_hook(trainer.fabric, "on_audit_start", trainer)
     result = trainer.algorithm.audit(tolerance)
-    trainer.fabric.call("on_audit_end", trainer, result=result)
+    call_hook(trainer.fabric, "on_audit_end", trainer, result=result)
     if not result["passed"]:
         cause = (
             "; ".join(trainer.numerics_notes)

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from fedshard_lightning import numerics
 from fedshard_lightning.cache import atomic_write_bytes, atomic_write_json
+from fedshard_lightning.callbacks.dispatch import call_hook
 from fedshard_lightning.engine import FederatedEngine, Group, LocalSchedule, RoundInfo
 from fedshard_lightning.engine.allocator import configure_process
 from fedshard_lightning.errors import CacheError, ConfigError
@@ -40,6 +41,8 @@ def sample_weighted_average(
 
     Per-round and per-stage test accuracy both use it, so the two curves describe the same model.
     """
+    if len(groups) == 1:  # weight exactly 1.0: the same bits without the arithmetic
+        return {k: v[0] for k, v in state.items()}
     w = torch.tensor([float(sum(sizes[c] for c in g)) for g in groups], dtype=torch.float64)
     w = w / w.sum()
     return {k: (v * w.to(v).view(-1, *[1] * (v.ndim - 1))).sum(0) for k, v in state.items()}
@@ -86,12 +89,12 @@ class TrainerEvents(LoopEvents):
 
     def stage_start(self, stage: int, groups: Sequence[Group]) -> None:
         """Fire ``on_stage_start``."""
-        self.trainer.fabric.call("on_stage_start", self.trainer, stage=stage, groups=groups)
+        call_hook(self.trainer.fabric, "on_stage_start", self.trainer, stage=stage, groups=groups)
 
     def stage_merge(self, stage: int, groups: Any, alphas: Any, rounds: Any) -> None:
         """Fire ``on_stage_merge``."""
         t = self.trainer
-        t.fabric.call("on_stage_merge", t, stage=stage, groups=groups, alphas=alphas, rounds=rounds)
+        call_hook(t.fabric, "on_stage_merge", t, stage=stage, groups=groups, alphas=alphas, rounds=rounds)
 
     def round_end(self, info: RoundInfo, state: dict[str, Tensor], groups: Sequence[Group]) -> None:
         """Measure the round, then fire ``on_round_end``."""
@@ -117,17 +120,17 @@ class TrainerEvents(LoopEvents):
             metrics.setdefault(name, value)
         metrics["global_round"] = float(self.global_round)
         t.history.append(metrics)
-        t.fabric.call("on_round_end", t, info=info, metrics=metrics)
+        call_hook(t.fabric, "on_round_end", t, info=info, metrics=metrics)
 
     def stage_end(self, stage: int, metrics: dict[str, float] | None = None) -> None:
         """Commit the stage (rank zero), wait for every rank, then fire ``on_stage_end``."""
         self.checkpoint(f"stage-{stage}")
-        self.trainer.fabric.call("on_stage_end", self.trainer, stage=stage, metrics=metrics or {})
+        call_hook(self.trainer.fabric, "on_stage_end", self.trainer, stage=stage, metrics=metrics or {})
 
     def groups_trained(self, stage: int, groups: Sequence[Group], client_steps: int) -> None:
         """Fire ``on_groups_trained`` (progress of unlearn and audit)."""
         t = self.trainer
-        t.fabric.call("on_groups_trained", t, stage=stage, groups=groups, client_steps=client_steps)
+        call_hook(t.fabric, "on_groups_trained", t, stage=stage, groups=groups, client_steps=client_steps)
 
     def checkpoint(self, label: str, complete: bool | None = None) -> None:
         """Commit the algorithm's state now (complete: as the algorithm says, unless told)."""
@@ -167,7 +170,7 @@ def run_fit(trainer: Any, run_dir: Path, resume: bool, exclude: list[int]) -> di
     if not resumed:
         alg.reset(alg.engine.module_params(), exclude=exclude)
         trainer.store.requests, trainer.store.complete_committed = [], False
-    trainer.fabric.call("on_fit_start", trainer)
+    call_hook(trainer.fabric, "on_fit_start", trainer)
     try:
         params = alg.current_params() if finished else alg.fit()
     except BaseException:
@@ -195,7 +198,7 @@ def run_fit(trainer: Any, run_dir: Path, resume: bool, exclude: list[int]) -> di
         numerics.record(run_dir, trainer)
         for name, text in alg.run_files().items():
             (run_dir / name).write_text(text)
-    trainer.fabric.call("on_fit_end", trainer, metrics=metrics)
+    call_hook(trainer.fabric, "on_fit_end", trainer, metrics=metrics)
     finish_loggers(
         trainer.fabric.loggers, trainer.wandb, run_dir, trainer.log_step_start + len(trainer.history) + 1
     )

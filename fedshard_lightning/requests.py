@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from fedshard_lightning.cache import atomic_write_json
+from fedshard_lightning.callbacks.dispatch import call_hook
 from fedshard_lightning.callbacks.progress import format_seconds
 from fedshard_lightning.errors import UnlearningRequestError
 from fedshard_lightning.loggers import finish_loggers
@@ -133,7 +134,7 @@ def apply_request(trainer: Any, clients: Any) -> dict[str, Any]:
     number = len(store.requests) + 1
     journal = Journal(trainer.run_dir, enabled=trainer.is_global_zero)
     journal.append({"event": "started", "request": number, "clients": ids})
-    trainer.fabric.call("on_unlearn_start", trainer, clients=ids)
+    call_hook(trainer.fabric, "on_unlearn_start", trainer, clients=ids)
     before = trainer.evaluate(alg.current_params())
     predicted, retrain = alg.predict_cost(ids), alg.retrain_cost(ids)
     trainer._print(request_start_line(trainer.run_dir, number, ids, predicted, retrain))
@@ -158,7 +159,7 @@ def apply_request(trainer: Any, clients: Any) -> dict[str, Any]:
                 "cache_version": report["cache_version"],
             }
         )
-    trainer.fabric.call("on_unlearn_end", trainer, report=report)
+    call_hook(trainer.fabric, "on_unlearn_end", trainer, report=report)
     finish_loggers(trainer.fabric.loggers, trainer.wandb, trainer.run_dir, trainer.log_step_start + 1)
     trainer._print(
         f"unlearn: clients {ids} removed with {report['client_steps']} client-steps "

@@ -30,6 +30,8 @@ import torch.nn.functional as F
 from torch import Tensor, fx, nn
 from torch.func import functional_call, vmap
 
+from fedshard_lightning.engine.trace import trace
+
 __all__ = [
     "ConvMode",
     "Kernel",
@@ -250,7 +252,7 @@ class StackedProgram:
         if any(True for _ in module.buffers()):
             raise Unsupported("the model has buffers (e.g. batch norm statistics)")
         try:
-            traced = fx.symbolic_trace(_LossOf(module))
+            traced = trace(_LossOf(module), _PER_SAMPLE_FUNCTIONS)
         except Exception as err:  # fx raises many types on untraceable Python
             raise Unsupported(
                 f"per_sample_loss is not traceable by torch.fx ({type(err).__name__}: {err})"

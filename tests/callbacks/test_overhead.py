@@ -93,6 +93,9 @@ def test_sample_weighted_average_matches_a_numpy_formula():
     out = sample_weighted_average(state, [[0], [1, 2], [3]], [2, 1, 3, 4])
     want = (np.array([2, 4, 4])[:, None] * state["w"].numpy()).sum(0) / 10
     assert np.allclose(out["w"].numpy(), want, rtol=0, atol=1e-6)
+    one = {"w": torch.randn(1, 3, 4)}
+    alone = sample_weighted_average(one, [[0, 1]], [2, 5])["w"]
+    assert torch.equal(alone, one["w"][0])  # the average of one model is that model, bit for bit
 
 
 def test_metrics_logger_writes_files_when_flush_is_due(run_root, counts):

@@ -70,6 +70,45 @@ def test_transform_handles_extra_leading_batch_dims():
     assert gx.dtype == torch.float32 and dm.transform(x, torch.float64).dtype == torch.float64
 
 
+def _formula(dm: _UInt8Images, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The normalisation written out on the raw samples at ``idx`` (independent of ``transform``)."""
+    mean = torch.tensor(dm.mean, dtype=dtype)[:, None, None]
+    std = torch.tensor(dm.std, dtype=dtype)[:, None, None]
+    return (dm.train_x[idx].to(dtype) / 255.0 - mean) / std
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_gather_from_the_normalised_copy_is_the_same_bits_and_follows_changes(dtype, monkeypatch):
+    dm = _UInt8Images(
+        num_samples=60, num_test=8, shape=(3, 4, 4), as_uint8=True, num_clients=3, partition="iid"
+    )
+    dm.setup()
+    idx = torch.tensor([[5, 0, 59], [7, 7, 3]])
+    assert torch.equal(dm.gather(idx, dtype)[0], _formula(dm, idx, dtype))
+    assert dm._normalised(dtype) is dm._normalised(dtype)  # made once
+    dm.train_x[5] = 255 - dm.train_x[5]  # modified in place: the copy is made again
+    assert torch.equal(dm.gather(idx, dtype)[0], _formula(dm, idx, dtype))
+    dm.train_x = dm.train_x.flip(0).contiguous()  # replaced
+    assert torch.equal(dm.gather(idx, dtype)[0], _formula(dm, idx, dtype))
+    monkeypatch.setattr("fedshard_lightning.data.base.NORMALISED_COPY_BYTES", 16)  # too large: per gather
+    assert dm._normalised(dtype) is None
+    assert torch.equal(dm.gather(idx, dtype)[0], _formula(dm, idx, dtype))
+
+
+def test_a_subclass_transform_runs_on_every_gather():
+    class Flip(_UInt8Images):
+        def transform(self, x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            self.calls = getattr(self, "calls", 0) + 1
+            return super().transform(x, dtype).flip(-1)
+
+    dm = Flip(num_samples=20, num_test=4, shape=(3, 4, 4), as_uint8=True, num_clients=2, partition="iid")
+    dm.setup()
+    idx = torch.tensor([1, 2])
+    for _ in range(2):
+        assert torch.equal(dm.gather(idx)[0], _formula(dm, idx, torch.float32).flip(-1))
+    assert dm.calls == 2
+
+
 def test_float_data_without_mean_passes_through():
     dm = SyntheticDataModule(num_samples=30, num_test=5, num_clients=2, partition="iid")
     dm.setup()

@@ -102,3 +102,29 @@ def test_client_keys_then_counters_equal_the_per_draw_hash():
     got = counter_bits(client_keys(7, 3, groups, 11, clients)[owner], counters)
     assert got.dtype == np.uint64 and (got == want).all()
     assert (keyed_uniform_bits(7, 3, groups[owner], 11, clients[owner], counters) == want).all()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    sizes=st.one_of(
+        st.lists(st.integers(0, 30), min_size=1, max_size=10),  # similar sizes: the padded sort
+        st.lists(st.integers(0, 3), min_size=8, max_size=12).map(lambda s: [*s, 250]),  # one giant: lexsort
+    ),
+    b=st.integers(1, 7),
+    epochs=st.integers(1, 3),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_plan_order_equals_sorting_each_epoch_by_its_keyed_bits(sizes, b, epochs, seed):
+    """The SPEC's shuffle written out: epoch e of a client visits ranks sorted by the bits of e*n + rank."""
+    sched = LocalSchedule(batch_size=b, local_epochs=epochs)
+    clients = np.arange(len(sizes)) * 5 + 1
+    groups = np.arange(len(sizes)) % 3
+    pos, sz, n_steps = sched.plan(np.array(sizes), seed, 1, groups, 4, clients)
+    for i, n in enumerate(sizes):
+        key = client_keys(seed, 1, groups[i : i + 1], 4, clients[i : i + 1])
+        visited = [int(p) for s in range(n_steps[i]) for p in pos[i, s, : sz[i, s]]]
+        want = []
+        for e in range(epochs):
+            bits = counter_bits(key, np.arange(e * n, (e + 1) * n)).tolist()
+            want += sorted(range(n), key=lambda r: (bits[r], r))
+        assert visited == want
