@@ -204,9 +204,12 @@ class FederatedDataModule(RecordsInitArgs, L.LightningDataModule):
         say) is transformed per step as before.
         """
         own = self._normalised(dtype)
+        flat = indices.reshape(-1)  # index_select: about half the time of advanced indexing
+        y = self.train_y.index_select(0, flat).view(indices.shape)
         if own is not None:
-            return own[indices], self.train_y[indices]
-        return self.transform(self.train_x[indices], dtype), self.train_y[indices]
+            return own.index_select(0, flat).view(*indices.shape, *own.shape[1:]), y
+        x = self.train_x.index_select(0, flat).view(*indices.shape, *self.train_x.shape[1:])
+        return self.transform(x, dtype), y
 
     def _normalised(self, dtype: torch.dtype) -> Tensor | None:
         """The whole training set normalised, kept while ``train_x`` is the same unmodified tensor."""
