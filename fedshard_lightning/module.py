@@ -79,7 +79,6 @@ class FederatedModule(RecordsInitArgs, L.LightningModule):
         self.weight_decay = float(weight_decay)
         self.num_classes = num_classes
         self.input_shape = tuple(input_shape) if input_shape is not None else None
-        self._in_federated_step = False
 
     # -- shapes ----------------------------------------------------------------------------------
     def bind_data(self, input_shape: Sequence[int], num_classes: int) -> None:

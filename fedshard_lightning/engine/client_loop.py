@@ -86,39 +86,35 @@ def run_client_loop(
     )
     owner = type(worker).__name__
     rng_devices = [device] if device.type == "cuda" else []
-    worker._in_federated_step = True
-    try:
-        with torch.random.fork_rng(devices=rng_devices):  # the user's global stream is left as it was
-            for i in range(len(batch.clients)):
-                with torch.no_grad():
-                    for n in tr.names + tr.buffer_names:
-                        params[n].copy_(start[n][src[i]])
-                if tr.loop_uses_spec:
-                    opt = tr.spec.build(params)
-                else:
-                    opt = normalize_optimizer(worker.configure_optimizers(), owner)
-                    if tr.lr_at is not None:
-                        RoundLR.apply(opt, tr.lr_at(batch.round))
-                gidx = torch.as_tensor(gidx_all[i], device=device)
-                for s, size in enumerate(size_all[i, : steps[i]].tolist()):
-                    x, y = tr.dm.gather(gidx[s, :size], tr.dtype)
-                    opt.zero_grad(set_to_none=True)
-                    # Random ops outside nn.Dropout draw from the device's generator, keyed by
-                    # the client step (the generator alone: torch.manual_seed costs ~100x more).
-                    gen.manual_seed(int(keys[i, s]))
-                    tr._worker_ctx.begin(keys_t[i, s])
-                    try:
-                        loss = step_loss(worker.training_step((x, y), s), owner)
-                    finally:
-                        logged = tr._worker_ctx.end()
-                    loss.backward()
-                    opt.step()
-                    loss_sum[i] += loss.detach()
-                    for k, v in logged.items():
-                        logs.setdefault(k, torch.zeros(m_all, dtype=tr.dtype, device=device))[i] += v
-                with torch.no_grad():
-                    for n in tr.names + tr.buffer_names:
-                        out[n][i].copy_(params[n])
-    finally:
-        worker._in_federated_step = False
+    with torch.random.fork_rng(devices=rng_devices):  # the user's global stream is left as it was
+        for i in range(len(batch.clients)):
+            with torch.no_grad():
+                for n in tr.names + tr.buffer_names:
+                    params[n].copy_(start[n][src[i]])
+            if tr.loop_uses_spec:
+                opt = tr.spec.build(params)
+            else:
+                opt = normalize_optimizer(worker.configure_optimizers(), owner)
+                if tr.lr_at is not None:
+                    RoundLR.apply(opt, tr.lr_at(batch.round))
+            gidx = torch.as_tensor(gidx_all[i], device=device)
+            for s, size in enumerate(size_all[i, : steps[i]].tolist()):
+                x, y = tr.dm.gather(gidx[s, :size], tr.dtype)
+                opt.zero_grad(set_to_none=True)
+                # Random ops outside nn.Dropout draw from the device's generator, keyed by
+                # the client step (the generator alone: torch.manual_seed costs ~100x more).
+                gen.manual_seed(int(keys[i, s]))
+                tr._worker_ctx.begin(keys_t[i, s])
+                try:
+                    loss = step_loss(worker.training_step((x, y), s), owner)
+                finally:
+                    logged = tr._worker_ctx.end()
+                loss.backward()
+                opt.step()
+                loss_sum[i] += loss.detach()
+                for k, v in logged.items():
+                    logs.setdefault(k, torch.zeros(m_all, dtype=tr.dtype, device=device))[i] += v
+            with torch.no_grad():
+                for n in tr.names + tr.buffer_names:
+                    out[n][i].copy_(params[n])
     return out, loss_sum, logs

@@ -27,18 +27,12 @@ from torch.func import functional_call, vmap
 from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.engine.chain import StackedChain
 from fedshard_lightning.engine.client_loop import ClientBatch, LocalResult, run_client_loop
+from fedshard_lightning.engine.kernel_check import Unsupported, reference
 from fedshard_lightning.engine.mixed_sizes import mixed_sizes_fixed, mixed_sizes_split
 from fedshard_lightning.engine.optim import OptimizerSpec, RoundLR, fused_sgd_lr, round_lr, shrink_optimizer
 from fedshard_lightning.engine.plan_ahead import BatchPlans
 from fedshard_lightning.engine.schedule import LocalSchedule
-from fedshard_lightning.engine.stacked import (
-    ConvMode,
-    Kernel,
-    KernelChoice,
-    StackedProgram,
-    Unsupported,
-    probe_params,
-)
+from fedshard_lightning.engine.stacked import ConvMode, Kernel, KernelChoice, StackedProgram
 from fedshard_lightning.engine.step_context import RandomInStep, StepContext, step_keys, step_loss
 from fedshard_lightning.module import FederatedModule
 
@@ -140,21 +134,7 @@ class LocalTrainer:
         if self.kernel_choice is None:
             self.kernel_choice = KernelChoice(Kernel.VMAP, "chosen")
             if self.kernel != "vmap" and self.maskable:
-                sample = self._check_sample()
-                try:
-                    self._program = StackedProgram.build(self.module, self.names, self.conv_mode)
-                    self._program.check(self.module, *sample, self.names)
-                    self.kernel_choice = KernelChoice(Kernel.FX)
-                except Unsupported as err:
-                    self._program, self.kernel_choice = None, KernelChoice(Kernel.VMAP, str(err))
-                if self._program is not None and self.kernel == "auto":
-                    try:
-                        chain = StackedChain.from_program(self._program, self.conv_mode)
-                        params = probe_params(self.module, self.names, sample[0].shape[0])
-                        chain.check(self._program, params, *sample)
-                        self._chain, self.kernel_choice = chain, KernelChoice(Kernel.CHAIN)
-                    except Unsupported as err:
-                        self._chain, self.kernel_choice = None, KernelChoice(Kernel.FX, f"no chain: {err}")
+                self.kernel_choice = self._build_kernels()
             elif self.kernel != "vmap":
                 why = (
                     "training_step is overridden"
@@ -163,6 +143,37 @@ class LocalTrainer:
                 )
                 self.kernel_choice = KernelChoice(Kernel.VMAP, why)
         return self._program
+
+    def _build_kernels(self) -> KernelChoice:
+        """The fastest stacked kernel that reproduces the user's loss (:mod:`.kernel_check`).
+
+        The hand-written chain is compared with the user's loss directly; the fx program, from
+        which the chain is read, needs its own comparison only when it trains (no chain).
+        """
+        sample = self._check_sample()
+        try:
+            self._program = StackedProgram.build(self.module, self.names, self.conv_mode)
+            ref = reference(self.module, *sample, self.names)
+        except Unsupported as err:
+            self._program = None
+            return KernelChoice(Kernel.VMAP, str(err))
+        why = "not asked (kernel: fx)"
+        if self.kernel == "auto":
+            try:
+                chain = StackedChain.from_program(self._program, self.conv_mode)
+                chain.check(ref, *sample)
+                self._chain = chain
+                return KernelChoice(Kernel.CHAIN)
+            except Unsupported as err:
+                why = str(err)
+        try:
+            self._program.check(ref, *sample)
+        except Unsupported as err:
+            self._program = None
+            return KernelChoice(Kernel.VMAP, str(err))
+        return (
+            KernelChoice(Kernel.FX, f"no chain: {why}") if self.kernel == "auto" else KernelChoice(Kernel.FX)
+        )
 
     def _maybe_compiled(self, key: str, fn: Any) -> Any:
         """``fn`` compiled once (static shapes: the engine then runs fixed-shape calls), or as is."""
@@ -284,67 +295,63 @@ class LocalTrainer:
             w = (np.arange(b) < gsz[:, :, None]) / np.maximum(gsz, 1)[:, :, None]
             weight_all = torch.as_tensor(w, dtype=self.dtype, device=device)
         m = live = m_all
-        self.module._in_federated_step = True
-        try:
-            for s, m_s in enumerate((steps_sorted > np.arange(s_max)[:, None]).sum(1).tolist()):
-                if fixed:
-                    if m_s < live:
-                        self._retire(out, {**leaves, **cbuf}, order_t, m_s, live)
-                        live = m_s
-                elif m_s < m:
-                    self._retire(out, {**leaves, **cbuf}, order_t, m_s, m)
-                    new = {k: v.detach()[:m_s].requires_grad_() for k, v in leaves.items()}
-                    if opt is not None:
-                        shrink_optimizer(opt, list(leaves.values()), list(new.values()), m_s)
-                    leaves, m = new, m_s
-                    cbuf = {k: v[:m_s] for k, v in cbuf.items()}
-                    live = m
-                sizes = gsz[s, :m]
-                if chain is not None:
-                    x, y = self.dm.gather(gidx_t[s, :m], self.dtype)
-                    weight_t = weight_all[s, :m]
-                    named = {k[len(_PREFIX) :]: v for k, v in leaves.items()}
-                    losses, by_name = self._maybe_compiled("chain", chain.step)(named, x, y, weight_t, fused)
-                    loss_sum[:m] += losses
-                    if fused is not None:
-                        continue
-                    grads = {_PREFIX + k: g for k, g in by_name.items()}
-                elif (sizes == b).all():
-                    x, y = self.dm.gather(gidx_t[s, :m], self.dtype)
-                    grads, losses, logged = self._grad(
-                        leaves, buffers, x, y, keys=keys_all[s, :m], client_buffers=cbuf
-                    )
-                    loss_sum[:m] += losses
-                    self._add_logs(logs, logged, m_all, slice(0, m))
-                elif self._program is not None:  # per-sample ops only: pad and mask
-                    x, y = self.dm.gather(gidx_t[s, :m], self.dtype)
-                    mask = (torch.arange(b, device=device) < size_t[s, :m, None]).to(self.dtype)
-                    grads, losses, _ = self._grad(leaves, buffers, x, y, mask)
-                    loss_sum[:m] += losses
-                elif fixed:  # every distinct batch size for all rows, kept where it is the row's own
-                    grads = mixed_sizes_fixed(
-                        self,
-                        leaves,
-                        buffers,
-                        cbuf,
-                        gidx_t[s, :m],
-                        sizes,
-                        size_t[s, :m],
-                        keys_all[s, :m],
-                        loss_sum,
-                        logs,
-                    )
-                else:
-                    grads = mixed_sizes_split(
-                        self, leaves, buffers, cbuf, gidx_t[s], sizes, keys_all[s], loss_sum, logs
-                    )
-                for k, v in leaves.items():
-                    v.grad = grads[k]
-                opt.step()
-                for v in leaves.values():
-                    v.grad = None
-        finally:
-            self.module._in_federated_step = False
+        for s, m_s in enumerate((steps_sorted > np.arange(s_max)[:, None]).sum(1).tolist()):
+            if fixed:
+                if m_s < live:
+                    self._retire(out, {**leaves, **cbuf}, order_t, m_s, live)
+                    live = m_s
+            elif m_s < m:
+                self._retire(out, {**leaves, **cbuf}, order_t, m_s, m)
+                new = {k: v.detach()[:m_s].requires_grad_() for k, v in leaves.items()}
+                if opt is not None:
+                    shrink_optimizer(opt, list(leaves.values()), list(new.values()), m_s)
+                leaves, m = new, m_s
+                cbuf = {k: v[:m_s] for k, v in cbuf.items()}
+                live = m
+            sizes = gsz[s, :m]
+            if chain is not None:
+                x, y = self.dm.gather(gidx_t[s, :m], self.dtype)
+                weight_t = weight_all[s, :m]
+                named = {k[len(_PREFIX) :]: v for k, v in leaves.items()}
+                losses, by_name = self._maybe_compiled("chain", chain.step)(named, x, y, weight_t, fused)
+                loss_sum[:m] += losses
+                if fused is not None:
+                    continue
+                grads = {_PREFIX + k: g for k, g in by_name.items()}
+            elif (sizes == b).all():
+                x, y = self.dm.gather(gidx_t[s, :m], self.dtype)
+                grads, losses, logged = self._grad(
+                    leaves, buffers, x, y, keys=keys_all[s, :m], client_buffers=cbuf
+                )
+                loss_sum[:m] += losses
+                self._add_logs(logs, logged, m_all, slice(0, m))
+            elif self._program is not None:  # per-sample ops only: pad and mask
+                x, y = self.dm.gather(gidx_t[s, :m], self.dtype)
+                mask = (torch.arange(b, device=device) < size_t[s, :m, None]).to(self.dtype)
+                grads, losses, _ = self._grad(leaves, buffers, x, y, mask)
+                loss_sum[:m] += losses
+            elif fixed:  # every distinct batch size for all rows, kept where it is the row's own
+                grads = mixed_sizes_fixed(
+                    self,
+                    leaves,
+                    buffers,
+                    cbuf,
+                    gidx_t[s, :m],
+                    sizes,
+                    size_t[s, :m],
+                    keys_all[s, :m],
+                    loss_sum,
+                    logs,
+                )
+            else:
+                grads = mixed_sizes_split(
+                    self, leaves, buffers, cbuf, gidx_t[s], sizes, keys_all[s], loss_sum, logs
+                )
+            for k, v in leaves.items():
+                v.grad = grads[k]
+            opt.step()
+            for v in leaves.values():
+                v.grad = None
         if live == m_all and in_order:  # nobody retired early
             out = {k[len(_PREFIX) :]: v.detach() for k, v in {**leaves, **cbuf}.items()}
             return LocalResult(out, steps, loss_sum, logs)

@@ -12,9 +12,9 @@ models are chains of standard layers, so :class:`StackedProgram` traces ``per_sa
   ``reduction="none"``) runs unchanged on the merged batch, because it never mixes samples.
 
 Anything else (batch statistics, buffers, parameters used outside a supported layer, an operator
-not known to be per-sample) keeps the ``vmap`` path. Before use, the program is checked against
-``vmap`` on the run's own data with distinct parameters per client, so a rewrite that mixed
-clients or samples is refused rather than trusted.
+not known to be per-sample) keeps the ``vmap`` path. Before it trains, the program is checked
+against ``vmap`` of the user's loss on the run's own data with distinct parameters per client
+(:mod:`.kernel_check`), so a rewrite that mixed clients or samples is refused rather than trusted.
 """
 
 from __future__ import annotations
@@ -28,8 +28,13 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
-from torch.func import functional_call, vmap
 
+from fedshard_lightning.engine.kernel_check import (
+    Reference,
+    Unsupported,
+    _LossOf,
+    require_close,
+)
 from fedshard_lightning.engine.trace import trace
 
 __all__ = [
@@ -38,8 +43,6 @@ __all__ = [
     "KernelChoice",
     "StackedProgram",
     "Unsupported",
-    "probe_params",
-    "require_close",
     "stacked_conv2d",
     "stacked_linear",
 ]
@@ -190,21 +193,6 @@ def stacked_conv2d(
     return yg.reshape(b, c, c_out, *yg.shape[2:]).transpose(0, 1).reshape(c * b, c_out, *yg.shape[2:])
 
 
-class _LossOf(nn.Module):
-    """``per_sample_loss`` as a forward, so fx can trace it."""
-
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        self.m = module
-
-    def forward(self, x: Tensor, y: Tensor) -> Tensor:
-        return self.m.per_sample_loss((x, y))
-
-
-class Unsupported(Exception):
-    """The model cannot be rewritten; the message says why (the engine then keeps vmap)."""
-
-
 def _per_sample_args(node: fx.Node) -> bool:
     """Reject argument values that would make a per-sample operator act across the batch."""
     target, kw = node.target, node.kwargs
@@ -329,62 +317,21 @@ class StackedProgram:
         gm = fx.GraphModule(traced, graph)
         return cls(gm, order)
 
-    def check(
-        self,
-        module: nn.Module,
-        x: Tensor,
-        y: Tensor,
-        names: Sequence[str],
-        rtol: float = 1e-4,
-    ) -> None:
-        """Compare losses and gradients with vmap on distinct per-client parameters; raise if they differ.
+    def check(self, ref: Reference, x: Tensor, y: Tensor, rtol: float = 1e-4) -> None:
+        """Compare losses and gradients with the user's loss (``ref``); raise :class:`Unsupported` if they differ.
 
         Args:
-            module: The model (its parameters are the base of the per-client perturbation).
+            ref: :func:`~.kernel_check.reference` on the same samples.
             x: Samples [C, B, ...] (C >= 2 clients).
             y: Labels [C, B].
-            names: Trainable parameter names.
             rtol: Relative tolerance (of the largest magnitude of each tensor).
         """
-        params = {k: v.requires_grad_() for k, v in probe_params(module, names, x.shape[0]).items()}
-        caller = _LossOf(module)
-        buffers = dict(module.named_buffers())
-
-        def ref(pc: dict[str, Tensor], xc: Tensor, yc: Tensor) -> Tensor:
-            return functional_call(caller, ({"m." + k: v for k, v in pc.items()}, buffers), (xc, yc))
-
+        params = {k: v.detach().requires_grad_() for k, v in ref.params.items()}
         with torch.enable_grad():
-            want = vmap(ref)(params, x, y)
-            g_want = torch.autograd.grad(want.sum(), list(params.values()))
             got = self(params, x, y)
             g_got = torch.autograd.grad(got.sum(), list(params.values()))
         require_close(
-            [("loss", got, want), *zip(names, g_got, g_want)],
+            [("loss", got, ref.losses), *[(k, g, ref.grads[k]) for k, g in zip(params, g_got)]],
             rtol,
             "the stacked rewrite of per_sample_loss disagrees with vmap",
         )
-
-
-def require_close(pairs: Sequence[tuple[str, Tensor, Tensor]], rtol: float, what: str) -> None:
-    """Raise :class:`Unsupported` (``what on <label>``) unless every ``got`` is close to its ``want``.
-
-    Tolerance: ``rtol`` times the largest magnitude of ``want``, so tiny entries do not dominate.
-    """
-    for label, got, want in pairs:
-        got, want = got.detach(), want.detach()
-        tol = rtol * float(want.abs().max().clamp_min(1e-12))
-        if got.shape != want.shape or not bool(((got - want).abs() <= tol).all()):
-            raise Unsupported(f"{what} on {label}")
-
-
-def probe_params(module: nn.Module, names: Sequence[str], c: int) -> dict[str, Tensor]:
-    """Distinct parameters for ``c`` clients around the model's own (seeded), for the checks."""
-    named = dict(module.named_parameters())
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    params = {}
-    for n in names:
-        p = named[n].detach()
-        noise = torch.randn((c, *p.shape), generator=gen, dtype=torch.float64).to(p)
-        scale = p.abs().mean().clamp_min(1e-3)
-        params[n] = p.unsqueeze(0) + 0.5 * scale * noise
-    return params

@@ -10,8 +10,9 @@ from torch import nn
 from fedshard_lightning.data import SyntheticDataModule
 from fedshard_lightning.engine import FederatedEngine, Group, LocalSchedule, stack_params
 from fedshard_lightning.engine.chain import StackedChain
+from fedshard_lightning.engine.kernel_check import Unsupported, reference
 from fedshard_lightning.engine.local import Kernel, KernelChoice
-from fedshard_lightning.engine.stacked import StackedProgram, Unsupported, probe_params
+from fedshard_lightning.engine.stacked import StackedProgram
 from fedshard_lightning.models import MLP, FedAvgCNN
 from fedshard_lightning.module import FederatedModule
 
@@ -159,7 +160,8 @@ def test_program_check_refuses_a_rewrite_that_mixes_clients():
     prog = StackedProgram.build(m, names)
     idx = torch.stack([dm.client_indices[c][:4] for c in range(3)])
     x, y = dm.gather(idx, torch.float64)
-    prog.check(m, x, y, names)  # the honest rewrite passes
+    ref = reference(m, x, y, names)
+    prog.check(ref, x, y)  # the honest rewrite passes
     honest = prog.gm
 
     class Mixing(nn.Module):
@@ -169,7 +171,7 @@ def test_program_check_refuses_a_rewrite_that_mixes_clients():
 
     prog.gm = Mixing()
     with pytest.raises(Unsupported, match="disagrees with vmap"):
-        prog.check(m, x, y, names)
+        prog.check(ref, x, y)
 
 
 def test_chain_gradients_equal_autograd_and_fused_sgd_equals_step():
@@ -180,8 +182,9 @@ def test_chain_gradients_equal_autograd_and_fused_sgd_equals_step():
     chain = StackedChain.from_program(prog, "grouped")
     idx = torch.stack([dm.client_indices[c][:5] for c in range(3)])
     x, y = dm.gather(idx, torch.float64)
-    params = probe_params(m, names, 3)
-    chain.check(prog, params, x, y)
+    ref = reference(m, x, y, names)
+    chain.check(ref, x, y)
+    params = ref.params
     weight = torch.full((3, 5), 0.2, dtype=torch.float64)
     _, grads = chain.step({k: v.clone() for k, v in params.items()}, x, y, weight, None)
     fused = {k: v.clone() for k, v in params.items()}
@@ -201,3 +204,20 @@ def test_untraceable_forward_falls_back_to_vmap():
     m = _bind(Branchy(hidden=(8,), lr=0.1), dm)
     with pytest.raises(Unsupported, match="not traceable"):
         StackedProgram.build(m, [n for n, _ in m.named_parameters()])
+
+
+def test_a_chain_that_disagrees_with_the_model_is_refused_and_the_checked_fx_program_trains(monkeypatch):
+    """The chain is compared with the user's loss itself: a wrong backward falls back to fx, not into training."""
+    dm = _data()
+    m = _bind(MLP(hidden=(8,), lr=0.1), dm)
+    honest = StackedChain._backward
+
+    def wrong(self, op, params, keep, g, *args):
+        return honest(self, op, params, keep, 1.01 * g, *args)  # every gradient 1% too large
+
+    monkeypatch.setattr(StackedChain, "_backward", wrong)
+    loop, _ = _train(m, dm, "never")
+    stacked, status = _train(m, dm, "always")
+    assert status.kernel is Kernel.FX
+    assert status.reason.startswith("no chain: the hand-written backward disagrees with the model's loss")
+    assert _maxdiff(stacked, loop) <= 1e-10

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from fedshard_lightning.engine.stacked import _PER_SAMPLE_FUNCTIONS, _LossOf
+from fedshard_lightning.engine.kernel_check import _LossOf
+from fedshard_lightning.engine.stacked import _PER_SAMPLE_FUNCTIONS
 from fedshard_lightning.engine.trace import trace
 from fedshard_lightning.models import MLP
 from fedshard_lightning.module import FederatedModule
