@@ -240,7 +240,8 @@ class StackedProgram:
         if any(True for _ in module.buffers()):
             raise Unsupported("the model has buffers (e.g. batch norm statistics)")
         try:
-            traced = trace(_LossOf(module), _PER_SAMPLE_FUNCTIONS)
+            root = _LossOf(module)
+            traced = trace(root, _PER_SAMPLE_FUNCTIONS)
         except Exception as err:  # fx raises many types on untraceable Python
             raise Unsupported(
                 f"per_sample_loss is not traceable by torch.fx ({type(err).__name__}: {err})"
@@ -249,7 +250,7 @@ class StackedProgram:
         graph = fx.Graph()
         env: dict[fx.Node, fx.Node] = {}
         order: list[str] = []
-        old = list(traced.graph.nodes)
+        old = list(traced.nodes)
         for node in old:
             if node.op == "placeholder":
                 env[node] = graph.placeholder(node.name)
@@ -257,7 +258,7 @@ class StackedProgram:
         for node in old:
             if node.op != "call_module":
                 continue
-            sub = traced.get_submodule(node.target)
+            sub = root.get_submodule(node.target)
             if isinstance(sub, (nn.Linear, nn.Conv2d)):
                 prefix = node.target.removeprefix("m.")
                 own = [f"{prefix}.{n}" for n, _ in sub.named_parameters()]
@@ -293,7 +294,7 @@ class StackedProgram:
                     )
                 continue
             if node.op == "call_module":
-                sub = traced.get_submodule(node.target)
+                sub = root.get_submodule(node.target)
                 if type(sub) not in _PER_SAMPLE_MODULES or any(True for _ in sub.parameters()):
                     raise Unsupported(
                         f"module {node.target.removeprefix('m.')} ({type(sub).__name__}) has no stacked form"
@@ -314,7 +315,7 @@ class StackedProgram:
             env[node] = graph.node_copy(node, lambda n: env[n])
         if set(order) != used or set(order) != trainable:
             raise Unsupported("some trainable parameters are not inside a stackable layer")
-        gm = fx.GraphModule(traced, graph)
+        gm = fx.GraphModule(root, graph)
         return cls(gm, order)
 
     def check(self, ref: Reference, x: Tensor, y: Tensor, rtol: float = 1e-4) -> None:
