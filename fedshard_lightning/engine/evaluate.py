@@ -70,6 +70,7 @@ class Evaluator:
         self._copyable = True
         self._own: dict[str, Tensor] = {}
         self._live: dict[str, Tensor] = {}
+        self._targets: tuple[tuple[str, ...], list[Tensor], list[Tensor]] | None = None
 
     @torch.no_grad()
     def __call__(self, params: dict[str, Tensor], x: Tensor, y: Tensor) -> tuple[float, float]:
@@ -84,12 +85,13 @@ class Evaluator:
                 return evaluate(self.module, params, x, y)
             self._own = {**dict(self._copy.named_parameters()), **dict(self._copy.named_buffers())}
             self._live = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
-        keys = list(params)
-        rest = [k for k in self._own if k not in params]
-        torch._foreach_copy_(
-            [self._own[k] for k in keys + rest],
-            [params[k] for k in keys] + [self._live[k] for k in rest],
-        )
+        keys = tuple(params)
+        if self._targets is None or self._targets[0] != keys:  # the same names every round
+            rest = [k for k in self._own if k not in params]
+            self._targets = (keys, [self._own[k] for k in (*keys, *rest)], [self._live[k] for k in rest])
+        torch._foreach_copy_(self._targets[1], [params[k] for k in keys] + self._targets[2])
         step = self.batch_size
+        if len(x) <= step:  # one forward: no slicing, no concatenation (a copy of the same logits)
+            return _metrics(self._copy(x), y)
         logits = torch.cat([self._copy(x[i : i + step]) for i in range(0, len(x), step)])
         return _metrics(logits, y)

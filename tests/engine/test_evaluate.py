@@ -61,6 +61,14 @@ def test_evaluator_gives_the_bits_of_functional_call_and_leaves_the_module_alone
         params = _params(net, gen)
         assert ev(params, x, y) == _reference(net, params, x, y, 16)
     assert Evaluator(net)(params, x, y) == evaluate(net, params, x, y)
+    one = Evaluator(net)  # one batch: the forward without slicing or concatenation
+    for _ in range(2):
+        params = _params(net, gen)
+        assert one(params, x, y) == _reference(net, params, x, y, 2048)
+    partial = {
+        k: v for k, v in _params(net, gen).items() if k != "head.bias"
+    }  # other names: the rest is live
+    assert one(partial, x, y) == _reference(net, partial, x, y, 2048)
     with torch.no_grad():  # the frozen layer changes: the next evaluation must see it
         net.frozen.weight.mul_(2.0)
     params = _params(net, gen)
