@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
+from fedshard_lightning.engine.chain_dense import DenseChain
 from fedshard_lightning.engine.kernel_check import Reference, Unsupported, require_close
 from fedshard_lightning.engine.stacked import StackedProgram, stacked_conv2d, stacked_linear
 
@@ -59,6 +60,7 @@ class StackedChain:
     def __init__(self, ops: list[_Op], conv_mode: str) -> None:
         self.ops = ops
         self.conv_mode = conv_mode
+        self.dense = DenseChain.of(ops)  # the same step with less Python, for Linear chains
 
     @classmethod
     def from_program(cls, prog: StackedProgram, conv_mode: str = "grouped") -> StackedChain:
@@ -160,6 +162,19 @@ class StackedChain:
             weight: Per-sample weights [C, B] (1/B, or a mask over the real samples / their count).
             lr: Plain SGD learning rate by parameter, applied in place; None returns the gradients.
         """
+        if self.dense is not None:
+            return self.dense.step(params, x, y, weight, lr)
+        return self.generic_step(params, x, y, weight, lr)
+
+    def generic_step(
+        self,
+        params: dict[str, Tensor],
+        x: Tensor,
+        y: Tensor,
+        weight: Tensor,
+        lr: dict[str, float] | None,
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """:meth:`step` for any chain, link by link (the reference of :class:`.chain_dense.DenseChain`)."""
         c, b = y.shape
         h = x.reshape(c * b, *x.shape[2:])
         saved: list[Any] = []

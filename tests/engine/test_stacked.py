@@ -210,12 +210,13 @@ def test_a_chain_that_disagrees_with_the_model_is_refused_and_the_checked_fx_pro
     """The chain is compared with the user's loss itself: a wrong backward falls back to fx, not into training."""
     dm = _data()
     m = _bind(MLP(hidden=(8,), lr=0.1), dm)
-    honest = StackedChain._backward
+    honest = StackedChain.step
 
-    def wrong(self, op, params, keep, g, *args):
-        return honest(self, op, params, keep, 1.01 * g, *args)  # every gradient 1% too large
+    def wrong(self, *args):
+        losses, grads = honest(self, *args)
+        return losses, {k: 1.01 * g for k, g in grads.items()}  # every gradient 1% too large
 
-    monkeypatch.setattr(StackedChain, "_backward", wrong)
+    monkeypatch.setattr(StackedChain, "step", wrong)
     loop, _ = _train(m, dm, "never")
     stacked, status = _train(m, dm, "always")
     assert status.kernel is Kernel.FX
