@@ -13,7 +13,7 @@ Usage::
 
 from __future__ import annotations
 
-import sys
+import argparse
 import time
 
 import numpy as np
@@ -31,8 +31,11 @@ def time_grouping(n: int, distinct: int) -> tuple[float, list[list[int]]]:
     return time.perf_counter() - t, groups
 
 
-def main(argv: list[str]) -> None:
-    for n in map(int, argv or ["4096"]):
+def main() -> None:
+    """Parse the leaf counts and print one line per (N, distinct step counts)."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("leaves", type=int, nargs="*", default=[4096], help="leaf counts N (default: 4096)")
+    for n in ap.parse_args().leaves:
         for distinct in (1, 8):
             seconds, groups = time_grouping(n, distinct)
             print(
@@ -41,4 +44,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

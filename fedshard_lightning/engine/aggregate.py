@@ -25,6 +25,12 @@ BLOCK = 64
 # Elements of a chunk's models above which they are weighted tensor by tensor into the flat matrix
 # rather than concatenated and then weighted (the same products, so the same bits).
 _ONE_PASS = 1 << 16
+# On the CPU, a chunk of at least this many elements whose blocks all close in it is weighted and
+# summed _COLUMNS columns at a time (cache-sized), not as whole matrices: every element sees the
+# same operations in the same order, so the same bits, with one pass over memory instead of four
+# (FedAvg CNN, 64 clients, 1 thread: 344 -> 94 ms per round).
+_COLUMN_BLOCKS = 1 << 20
+_COLUMNS = 16384
 
 
 def tree_sum(x: Tensor) -> Tensor:
@@ -84,6 +90,14 @@ class GroupSums:
             meta.append((g, j // BLOCK, j % BLOCK))
         m = len(owners)
         w = weights.to(dtype=next(iter(params.values())).dtype)
+        if (  # on CUDA whole matrices: a kernel launch per column block would cost more
+            self._carry is None
+            and self.flat[0].device.type == "cpu"
+            and not self._open(meta)
+            and m * max(f.shape[1] for f in self.flat) >= _COLUMN_BLOCKS
+        ):
+            self._add_by_columns(params, w, meta)
+            return
         rows = []
         for names, flat in zip(self.kinds, self.flat):
             first = params[names[0]]
@@ -117,24 +131,42 @@ class GroupSums:
             rows, meta = [v[:cut] for v in rows], meta[:cut]
         if not meta:
             return
+        plan = self._plan(meta, rows[0].device)
+        for x, flat in zip(rows, self.flat):
+            _reduce(x, plan, flat)
+
+    def _open(self, meta: list[tuple[int, int, int]]) -> bool:
+        """Whether the last block of these rows waits for rows of a later chunk."""
+        g, block, slot = meta[-1]
+        return slot + 1 < min(BLOCK, self.count[g] - block * BLOCK)
+
+    def _plan(self, meta: list[tuple[int, int, int]], device: torch.device) -> _Plan:
         key = tuple(meta)
         plan = self._plans.get(key)
         if plan is None:
             if len(self._plans) > 1024:
                 self._plans.clear()
-            plan = self._plans[key] = block_plan(meta, rows[0].device)
-        n_keys, plans, scatter = plan
-        for x, flat in zip(rows, self.flat):
-            sums = x.new_empty((n_keys, x.shape[1]))
-            for n, blocks_t, n_blocks, pick in plans:
-                xb = (x if pick is None else x.index_select(0, pick)).view(n_blocks, n, -1)
-                part = _pairwise(xb)
-                if pick is None:
-                    sums = part
-                else:
-                    sums.index_copy_(0, blocks_t, part)
-            for g_t, pick_k in scatter:
-                flat.index_add_(0, g_t, sums if pick_k is None else sums.index_select(0, pick_k))
+            plan = self._plans[key] = block_plan(meta, device)
+        return plan
+
+    def _add_by_columns(self, params: dict[str, Tensor], w: Tensor, meta: list[tuple[int, int, int]]) -> None:
+        """:meth:`add` for a large chunk whose blocks all close here, ``_COLUMNS`` columns at a time."""
+        m = len(meta)
+        for names, flat in zip(self.kinds, self.flat):
+            first = params[names[0]]
+            plan = self._plan(meta, first.device)
+            wcol = w.to(device=first.device).unsqueeze(1)
+            buf = first.new_empty(m * min(_COLUMNS, flat.shape[1]))
+            off = 0
+            for k in names:
+                n = self.numel[k]
+                src = params[k].reshape(m, n)
+                for lo in range(0, n, _COLUMNS):
+                    hi = min(n, lo + _COLUMNS)
+                    x = buf[: m * (hi - lo)].view(m, hi - lo)
+                    torch.mul(src[:, lo:hi], wcol, out=x)
+                    _reduce(x, plan, flat[:, off + lo : off + hi])
+                off += n
 
     def totals(self) -> dict[str, Tensor]:
         """The per-group sums [G, ...] by name (every row must have been added)."""
@@ -158,6 +190,21 @@ class GroupSums:
                 out[k] = flat[:, off : off + self.numel[k]].reshape(len(flat), *self.shapes[k])
                 off += self.numel[k]
         return out
+
+
+def _reduce(x: Tensor, plan: _Plan, target: Tensor) -> None:
+    """Sum the weighted rows ``x`` [rows, D] by ``plan`` into ``target`` [groups, D] (in place)."""
+    n_keys, plans, scatter = plan
+    sums = x.new_empty((n_keys, x.shape[1]))
+    for n, blocks_t, n_blocks, pick in plans:
+        xb = (x if pick is None else x.index_select(0, pick)).view(n_blocks, n, -1)
+        part = _pairwise(xb)
+        if pick is None:
+            sums = part
+        else:
+            sums.index_copy_(0, blocks_t, part)
+    for g_t, pick_k in scatter:
+        target.index_add_(0, g_t, sums if pick_k is None else sums.index_select(0, pick_k))
 
 
 # (blocks, [(rows per block, block ids, block count, row pick)], [(groups, block pick)] per rank)
