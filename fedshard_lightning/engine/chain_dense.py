@@ -12,8 +12,8 @@ as :meth:`.chain.StackedChain.step` on the same values, so the results are the s
   tensors (they are views: the in-place SGD updates show through them), not once per step;
 * reuses the constant ``-1`` of the cross-entropy gradient instead of allocating it per step.
 
-Measured on the digits MLP (1 thread): 104 -> 64 us per step of one client, 791 -> 705 us for 64
-(docs/benchmarks.md).
+Measured on the digits MLP against the link-by-link step (1 thread): 103 -> 77 us per step of one
+client, 736 -> 702 us for 64 clients (docs/benchmarks.md).
 """
 
 from __future__ import annotations
