@@ -162,7 +162,9 @@ class StackedChain:
             weight: Per-sample weights [C, B] (1/B, or a mask over the real samples / their count).
             lr: Plain SGD learning rate by parameter, applied in place; None returns the gradients.
         """
-        if self.dense is not None:
+        # Compiled (trainer.compile), the link-by-link step: compilation removes the Python the
+        # dense step saves, and its caches keyed by tensor identity would make dynamo recompile.
+        if self.dense is not None and not torch.compiler.is_compiling():
             return self.dense.step(params, x, y, weight, lr)
         return self.generic_step(params, x, y, weight, lr)
 
