@@ -106,6 +106,9 @@ class StageCosts:
         rounds_fn: The round policy of the stage (children's alphas of every group -> rounds of
             every group), when it is known before training (A2, fixed); then the grouping is refined
             with the rounds A2 will really give (:func:`refine_by_swaps`). None: expected rounds only.
+        rounds_rule: The same policy as (statistic of one group's alphas, rounds from all groups'
+            statistics) where it has that form (:func:`~.round_rules.round_rule`): the swap search
+            then updates two statistics per swap instead of asking ``rounds_fn`` for every group.
     """
 
     shard_clients: list[list[int]]
@@ -115,6 +118,9 @@ class StageCosts:
     future: np.ndarray
     weights: np.ndarray | None = field(default=None)
     rounds_fn: Callable[[list[list[float]]], list[int]] | None = field(default=None)
+    rounds_rule: tuple[Callable[[Sequence[float]], float], Callable[[np.ndarray], np.ndarray]] | None = field(
+        default=None
+    )
 
     def __post_init__(self) -> None:
         self.client_steps = np.asarray(self.client_steps, dtype=np.float64)
@@ -227,8 +233,19 @@ def refine_by_swaps(
     obj = _ExactObjective(costs, np.asarray(alphas, dtype=np.float64))
     groups = [list(g) for g in groups]
     where = {i: (gi, pos) for gi, g in enumerate(groups) for pos, i in enumerate(g)}
+    # With a rule (the built-in policies) every group's statistic is kept and a swap redoes two;
+    # either way the rounds are the same numbers (tests/sharding/test_costs.py).
+    stat, combine = costs.rounds_rule or (None, None)
+    a = obj._alphas
+    stats = np.asarray([stat([a[c] for c in g]) for g in groups], dtype=np.float64) if stat else None
+
+    def rounds_now() -> np.ndarray:
+        if stats is None:
+            return obj.rounds(groups)
+        return np.asarray(combine(stats), dtype=np.float64)
+
     agg = np.stack([obj.group_sums(g) for g in groups])
-    best = obj.value_of(agg, obj.rounds(groups))
+    best = obj.value_of(agg, rounds_now())
     rng = np.random.default_rng(seed)
     n = len(where)
     evals = 0
@@ -247,13 +264,19 @@ def refine_by_swaps(
                 groups[gi][pi], groups[gj][pj] = j, i
                 row_i, row_j = agg[gi].copy(), agg[gj].copy()
                 agg[gi], agg[gj] = obj.group_sums(groups[gi]), obj.group_sums(groups[gj])
-                value = obj.value_of(agg, obj.rounds(groups))
+                if stats is not None:
+                    stat_i, stat_j = stats[gi], stats[gj]
+                    stats[gi] = stat([a[c] for c in groups[gi]])
+                    stats[gj] = stat([a[c] for c in groups[gj]])
+                value = obj.value_of(agg, rounds_now())
                 if value < best * (1 - 1e-12):
                     best, improved = value, True
                     where[i], where[j] = (gj, pj), (gi, pi)
                     break
                 groups[gi][pi], groups[gj][pj] = i, j
                 agg[gi], agg[gj] = row_i, row_j
+                if stats is not None:
+                    stats[gi], stats[gj] = stat_i, stat_j
                 if evals >= max_evals:
                     break
     return groups

@@ -17,6 +17,7 @@ from fedshard_lightning.sharding import (
     expected_future_costs,
     tree_client_costs,
 )
+from fedshard_lightning.sharding.round_rules import round_rule
 
 __all__ = ["ShardCosts"]
 
@@ -48,6 +49,9 @@ class ShardCosts:
             rounds_fn=None
             if self.round_policy.calibrating(stage)
             else lambda children_alphas: self.round_policy.rounds(stage, children_alphas),
+            rounds_rule=None
+            if self.round_policy.calibrating(stage)
+            else round_rule(self.round_policy, stage),
         )
 
     def _shard_cost(self, stage: int, index: int, remaining: Sequence[int], rounds: int) -> int:
