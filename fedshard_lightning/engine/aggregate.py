@@ -121,9 +121,8 @@ class GroupSums:
             meta = old_meta + meta
             self._carry = None
         # Blocks whose last row has arrived are summed now; an open block waits for the next chunk.
-        last = meta[-1]
-        full = min(BLOCK, self.count[last[0]] - last[1] * BLOCK)
-        if last[2] + 1 < full:
+        if self._open(meta):
+            last = meta[-1]
             cut = len(meta)
             while cut > 0 and meta[cut - 1][:2] == last[:2]:
                 cut -= 1

@@ -27,7 +27,7 @@ from torch.func import functional_call, vmap
 from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.engine.chain import StackedChain
 from fedshard_lightning.engine.client_loop import ClientBatch, LocalResult, run_client_loop
-from fedshard_lightning.engine.kernel_check import Unsupported, reference
+from fedshard_lightning.engine.kernel_choice import choose_kernel
 from fedshard_lightning.engine.mixed_sizes import mixed_sizes_fixed, mixed_sizes_split
 from fedshard_lightning.engine.optim import OptimizerSpec, RoundLR, fused_sgd_lr, round_lr, shrink_optimizer
 from fedshard_lightning.engine.plan_ahead import BatchPlans
@@ -134,7 +134,9 @@ class LocalTrainer:
         if self.kernel_choice is None:
             self.kernel_choice = KernelChoice(Kernel.VMAP, "chosen")
             if self.kernel != "vmap" and self.maskable:
-                self.kernel_choice = self._build_kernels()
+                self.kernel_choice, self._program, self._chain = choose_kernel(
+                    self.module, self.names, self.conv_mode, self.kernel, self._check_sample()
+                )
             elif self.kernel != "vmap":
                 why = (
                     "training_step is overridden"
@@ -143,37 +145,6 @@ class LocalTrainer:
                 )
                 self.kernel_choice = KernelChoice(Kernel.VMAP, why)
         return self._program
-
-    def _build_kernels(self) -> KernelChoice:
-        """The fastest stacked kernel that reproduces the user's loss (:mod:`.kernel_check`).
-
-        The hand-written chain is compared with the user's loss directly; the fx program, from
-        which the chain is read, needs its own comparison only when it trains (no chain).
-        """
-        sample = self._check_sample()
-        try:
-            self._program = StackedProgram.build(self.module, self.names, self.conv_mode)
-            ref = reference(self.module, *sample, self.names)
-        except Unsupported as err:
-            self._program = None
-            return KernelChoice(Kernel.VMAP, str(err))
-        why = "not asked (kernel: fx)"
-        if self.kernel == "auto":
-            try:
-                chain = StackedChain.from_program(self._program, self.conv_mode)
-                chain.check(ref, *sample)
-                self._chain = chain
-                return KernelChoice(Kernel.CHAIN)
-            except Unsupported as err:
-                why = str(err)
-        try:
-            self._program.check(ref, *sample)
-        except Unsupported as err:
-            self._program = None
-            return KernelChoice(Kernel.VMAP, str(err))
-        return (
-            KernelChoice(Kernel.FX, f"no chain: {why}") if self.kernel == "auto" else KernelChoice(Kernel.FX)
-        )
 
     def _maybe_compiled(self, key: str, fn: Any) -> Any:
         """``fn`` compiled once (static shapes: the engine then runs fixed-shape calls), or as is."""
