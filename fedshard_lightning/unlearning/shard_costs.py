@@ -49,9 +49,7 @@ class ShardCosts:
             rounds_fn=None
             if self.round_policy.calibrating(stage)
             else lambda children_alphas: self.round_policy.rounds(stage, children_alphas),
-            rounds_rule=None
-            if self.round_policy.calibrating(stage)
-            else round_rule(self.round_policy, stage),
+            rounds_rule=round_rule(self.round_policy, stage),  # None while calibrating
         )
 
     def _shard_cost(self, stage: int, index: int, remaining: Sequence[int], rounds: int) -> int:
