@@ -34,6 +34,7 @@ from fedshard_lightning.engine.plan_ahead import BatchPlans
 from fedshard_lightning.engine.schedule import LocalSchedule
 from fedshard_lightning.engine.stacked import ConvMode, Kernel, KernelChoice, StackedProgram
 from fedshard_lightning.engine.step_context import RandomInStep, StepContext, step_keys, step_loss
+from fedshard_lightning.engine.step_layout import StepLayouts
 from fedshard_lightning.module import FederatedModule
 
 __all__ = ["ClientBatch", "Kernel", "KernelChoice", "LocalTrainer", "RandomInStep", "step_loss"]
@@ -112,6 +113,7 @@ class LocalTrainer:
         self._fused: tuple[OptimizerSpec | None, dict[str, float] | None] = (None, None)
         own = [ix.cpu().numpy().astype(np.int64) for ix in datamodule.client_indices]
         self.plans = BatchPlans(schedule, seed, own)  # keyed batches, planned ahead by the engine
+        self._layouts = StepLayouts(schedule.batch_size, self.dtype)  # per distinct batch sizes
 
     def _loss(
         self,
@@ -234,14 +236,13 @@ class LocalTrainer:
             self._fused = (spec, fused_sgd_lr(spec))
         fused = self._fused[1] if chain is not None else None
         m_all = len(batch.clients)
-        order = np.argsort(-steps, kind="stable")
-        s_max = int(steps.max()) if m_all else 0
         b = self.schedule.batch_size
         device = next(iter(start.values())).device
-        gsz = np.ascontiguousarray(gsz[order].T)  # [S, m] in step order
-        gidx_t = torch.as_tensor(np.ascontiguousarray(gidx[order].transpose(1, 0, 2)), device=device)
-        order_t = torch.as_tensor(order, device=device)
-        in_order = bool((order == np.arange(m_all)).all())  # equal steps: no permutation to undo
+        lay = self._layouts(gsz, steps, device, chain is not None)
+        order, order_t, in_order, s_max, gsz = lay.order, lay.order_t, lay.in_order, lay.s_max, lay.gsz
+        gidx_t = torch.as_tensor(
+            np.ascontiguousarray((gidx if in_order else gidx[order]).transpose(1, 0, 2)), device=device
+        )
         pick = order_t if rows is None else rows if in_order else rows.index_select(0, order_t)
         out: dict[str, Tensor] = {}  # rows of retired clients; allocated on the first retirement
         leaves = {
@@ -258,15 +259,9 @@ class LocalTrainer:
             keys_all = torch.as_tensor(np.ascontiguousarray(self.keys(batch, s_max)[order].T), device=device)
         loss_sum = torch.zeros(m_all, dtype=self.dtype, device=device)
         logs: dict[str, Tensor] = {}
-        steps_sorted = steps[order]
-        # Per-step sample weights and batch sizes go to the device once per round, not per step.
-        size_t = torch.as_tensor(gsz, device=device) if chain is None else None
-        weight_all = None
-        if chain is not None:
-            w = (np.arange(b) < gsz[:, :, None]) / np.maximum(gsz, 1)[:, :, None]
-            weight_all = torch.as_tensor(w, dtype=self.dtype, device=device)
+        size_t, weight_all = lay.size_t, lay.weight_all
         m = live = m_all
-        for s, m_s in enumerate((steps_sorted > np.arange(s_max)[:, None]).sum(1).tolist()):
+        for s, m_s in enumerate(lay.live):
             if fixed:
                 if m_s < live:
                     self._retire(out, {**leaves, **cbuf}, order_t, m_s, live)
