@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-__all__ = ["BLOCK", "GroupSums", "block_plan", "mix_rows", "tree_sum"]
+__all__ = ["BLOCK", "GroupSums", "SumLayout", "block_plan", "mix_rows", "row_meta", "tree_sum"]
 
 BLOCK = 64
 # Elements of a chunk's models above which they are weighted tensor by tensor into the flat matrix
@@ -40,6 +41,41 @@ def tree_sum(x: Tensor) -> Tensor:
     return x[:, 0]
 
 
+def row_meta(owners: Sequence[int], seen: list[int]) -> list[tuple[int, int, int]]:
+    """(group, block, slot) of each row, continuing the per-group counts ``seen`` (updated in place)."""
+    meta = []
+    for g in owners:
+        j = seen[g]
+        seen[g] += 1
+        meta.append((g, j // BLOCK, j % BLOCK))
+    return meta
+
+
+@dataclass(frozen=True)
+class SumLayout:
+    """How :class:`GroupSums` lays a state dict out: names by dtype, shapes and sizes.
+
+    A function of the names, shapes and dtypes alone, so an engine call makes it once for all its
+    rounds (it was a dozen dict and shape operations per round).
+    """
+
+    kinds: list[list[str]]  # names of each dtype, in the state's order
+    shapes: dict[str, torch.Size]  # per-row shape
+    numel: dict[str, int]  # per-row elements
+
+    @classmethod
+    def of(cls, like: dict[str, Tensor]) -> SumLayout:
+        """The layout of a stacked state dict ``like`` [G, ...]."""
+        kinds: dict[torch.dtype, list[str]] = {}
+        for k, v in like.items():
+            kinds.setdefault(v.dtype, []).append(k)
+        return cls(
+            list(kinds.values()),
+            {k: v.shape[1:] for k, v in like.items()},
+            {k: math.prod(v.shape[1:]) for k, v in like.items()},
+        )
+
+
 class GroupSums:
     """Streams the weighted client models of one round into per-group sums.
 
@@ -52,6 +88,7 @@ class GroupSums:
         plans: A dict the caller keeps across rounds: the block plan of a chunk (Python lists and
             index tensors) is built once per distinct (counts, rows) and reused when the same
             participants train again, as they do in every round of a full-participation call.
+        layout: ``SumLayout.of(like)``, when the caller has made it already.
     """
 
     def __init__(
@@ -59,35 +96,37 @@ class GroupSums:
         like: dict[str, Tensor],
         participants: Sequence[int],
         plans: dict[tuple, _Plan] | None = None,
+        layout: SumLayout | None = None,
     ) -> None:
         self.count = [int(c) for c in participants]
         self.seen = [0] * len(participants)
         self._carry: tuple[list[Tensor], list[tuple[int, int, int]]] | None = None
         self._plans = {} if plans is None else plans
-        kinds: dict[torch.dtype, list[str]] = {}
-        for k, v in like.items():
-            kinds.setdefault(v.dtype, []).append(k)
-        self.kinds = list(kinds.values())
-        self.shapes = {k: v.shape[1:] for k, v in like.items()}
-        self.numel = {k: math.prod(v.shape[1:]) for k, v in like.items()}
+        lay = SumLayout.of(like) if layout is None else layout
+        self.kinds, self.shapes, self.numel = lay.kinds, lay.shapes, lay.numel
         self.flat = [
             like[names[0]].new_zeros((len(self.count), sum(self.numel[k] for k in names)))
             for names in self.kinds
         ]
 
-    def add(self, params: dict[str, Tensor], weights: Tensor, owners: Sequence[int]) -> None:
+    def add(
+        self,
+        params: dict[str, Tensor],
+        weights: Tensor,
+        owners: Sequence[int],
+        meta: Sequence[tuple[int, int, int]] | None = None,
+    ) -> None:
         """Add the next rows of the round, in participant order.
 
         Args:
             params: Local models [m, ...] by name.
             weights: FedAvg weight of each row (sample count), [m].
             owners: Group of each row.
+            meta: The rows' (group, block, slot) as :func:`row_meta` gives them, when the caller
+                keeps them across rounds (a :class:`~.round_plan.RoundPlan`); given for every
+                chunk of the round or for none.
         """
-        meta = []
-        for g in owners:
-            j = self.seen[g]
-            self.seen[g] += 1
-            meta.append((g, j // BLOCK, j % BLOCK))
+        meta = row_meta(owners, self.seen) if meta is None else list(meta)
         m = len(owners)
         w = weights.to(dtype=next(iter(params.values())).dtype)
         if (  # on CUDA whole matrices: a kernel launch per column block would cost more
@@ -177,6 +216,22 @@ class GroupSums:
         One division per dtype over the flat sums; element-wise, so the bits of a division per tensor.
         """
         return self._split([f.index_select(0, rows) / weight.to(f).unsqueeze(1) for f in self.flat])
+
+    def write_averages(self, state: dict[str, Tensor], rows: Tensor, weight: Tensor) -> None:
+        """``state[k][rows] = averages(rows, weight)[k]`` for every name, in place.
+
+        The same division, then one row copy per name: no intermediate dict of views.
+        """
+        if self._carry is not None:
+            raise RuntimeError("GroupSums read before every participant was added")
+        n = len(rows)
+        for flat, names in zip(self.flat, self.kinds):
+            avg = flat.index_select(0, rows) / weight.to(flat).unsqueeze(1)
+            off = 0
+            for k in names:
+                size = self.numel[k]
+                state[k].index_copy_(0, rows, avg[:, off : off + size].view(n, *self.shapes[k]))
+                off += size
 
     def _split(self, flats: list[Tensor]) -> dict[str, Tensor]:
         """Views by name of flat [n, D] matrices laid out like the sums."""

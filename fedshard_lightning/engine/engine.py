@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from fedshard_lightning.data.base import FederatedDataModule
-from fedshard_lightning.engine.aggregate import GroupSums
+from fedshard_lightning.engine.aggregate import GroupSums, SumLayout
 from fedshard_lightning.engine.groups import Group, RoundInfo, TrainResult, stack_params, unstack_params
 from fedshard_lightning.engine.local import ClientBatch, Kernel, LocalResult, LocalTrainer, RandomInStep
 from fedshard_lightning.engine.local_layers import LocalLayers
@@ -285,6 +285,7 @@ class FederatedEngine:
         dtype = state[self.names[0]].dtype
         self.local.plans.clear()
         plans: dict[tuple, RoundPlan] = {}  # by participants: one plan for all rounds of the same ones
+        layout = SumLayout.of(state)
         for r in range(max_rounds):
             active = [i for i, g in enumerate(groups) if r < g.rounds and not stopped[i] and g.clients]
             if not active:
@@ -299,7 +300,7 @@ class FederatedEngine:
                     last = min(groups[i].rounds for i in active)
                     for ch in plan.chunks:
                         self.local.plans.expect(ch.clients, [groups[i].key for i in ch.owners], stage, last)
-            sums = GroupSums(state, plan.counts, self._sum_plans)
+            sums = GroupSums(state, plan.counts, self._sum_plans, layout)
             loss_sum = torch.zeros(G, dtype=torch.float64)
             step_count = np.zeros(G, dtype=np.int64)
             logged: dict[str, float] = {}
@@ -320,17 +321,14 @@ class FederatedEngine:
                 losses = res.loss_sum.detach().cpu().double()  # one host copy: the check and the sums
                 self._check_finite(losses.numpy(), cl, ow, groups, stage, r)
                 local.keep(res.params, cl)
-                sums.add(res.params, ch.samples, ow)
+                sums.add(res.params, ch.samples, ow, ch.meta)
                 loss_sum.index_add_(0, ch.owners_cpu, losses)
                 step_count += np.bincount(ow, weights=res.steps, minlength=G).astype(np.int64)  # exact
                 self._add_logged(logged, res, ch)
                 if keep_client_params:
                     kept.append(res)
             before = {k: v.clone() for k, v in state.items()} if keep_client_params else None
-            for k, v in sums.averages(
-                plan.active_t, plan.weight.index_select(0, plan.active_t.cpu())
-            ).items():
-                state[k].index_copy_(0, plan.active_t, v)
+            sums.write_averages(state, plan.active_t, plan.active_weight)
             steps_this = int(step_count.sum())
             for i in active:
                 rounds_run[i] += 1

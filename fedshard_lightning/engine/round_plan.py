@@ -17,6 +17,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from fedshard_lightning.engine.aggregate import row_meta
+
 __all__ = ["Chunk", "RoundPlan"]
 
 
@@ -30,6 +32,7 @@ class Chunk:
     owners_cpu: Tensor
     samples: Tensor  # sample counts in the models' dtype, on their device (FedAvg weights)
     samples_f64: Tensor  # the same in float64 on the CPU (the loss weights)
+    meta: tuple[tuple[int, int, int], ...]  # each row's (group, block, slot) in the round's sums
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,7 @@ class RoundPlan:
     chunks: list[Chunk]
     weight: Tensor  # [G] float64: each group's participant samples (exact integers)
     active_t: Tensor  # on the models' device
+    active_weight: Tensor  # weight of the active groups, in ``active`` order
     metric_norm: float  # the round's total samples (at least 1)
 
     @classmethod
@@ -63,6 +67,7 @@ class RoundPlan:
         for i, p in zip(active, parts):
             counts[i] = len(p)
         chunks = []
+        seen = [0] * n_groups
         for lo in range(0, len(clients), chunk):
             cl, ow = clients[lo : lo + chunk], owner[lo : lo + chunk]
             n = sizes[cl]
@@ -74,16 +79,19 @@ class RoundPlan:
                     torch.as_tensor(ow),
                     torch.as_tensor(n, dtype=dtype, device=device),
                     torch.as_tensor(n, dtype=torch.float64),
+                    tuple(row_meta(ow, seen)),
                 )
             )
         weight = np.bincount(np.asarray(owner, dtype=np.int64), weights=sizes[clients], minlength=n_groups)
+        weight_t = torch.as_tensor(weight.astype(np.float64))
         return cls(
             active=list(active),
             parts=[list(p) for p in parts],
             clients=clients,
             counts=counts,
             chunks=chunks,
-            weight=torch.as_tensor(weight.astype(np.float64)),
+            weight=weight_t,
             active_t=torch.as_tensor(list(active), device=device),
+            active_weight=weight_t[list(active)],
             metric_norm=max(float(sizes[clients].sum()), 1.0),
         )

@@ -68,3 +68,34 @@ def test_group_sums_reusing_block_plans_equal_fresh_ones_and_per_tensor_sums():
         for k in like:
             assert torch.equal(avg[k][1], shared.totals()[k][2] / torch.tensor(7.0, dtype=like[k].dtype))
     assert len(plans) == 2  # one plan per distinct chunk layout, reused in the second round
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    parts=st.lists(st.lists(st.integers(0, 150), max_size=70, unique=True), min_size=1, max_size=3),
+    chunk=st.integers(1, 80),
+    seed=st.integers(0, 1000),
+)
+def test_plan_meta_and_write_averages_equal_the_sums_built_row_by_row(parts, chunk, seed):
+    """A plan's per-chunk (group, block, slot) and the in-place averages give the bits of the plain path."""
+    sizes = np.random.default_rng(seed).integers(1, 40, 151)
+    n_groups = len(parts) + 1
+    active = list(range(len(parts)))
+    plan = RoundPlan.build(active, parts, n_groups, sizes, chunk, torch.float32, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(seed)
+    like = {"w": torch.zeros(n_groups, 3, 2), "r": torch.zeros(n_groups, 4, dtype=torch.float64)}
+    with_meta, plain = GroupSums(like, plan.counts), GroupSums(like, plan.counts)
+    for ch in plan.chunks:
+        rows = {
+            k: torch.randn(len(ch.clients), *v.shape[1:], generator=gen, dtype=v.dtype)
+            for k, v in like.items()
+        }
+        with_meta.add(rows, ch.samples, ch.owners, ch.meta)
+        plain.add(rows, ch.samples, ch.owners)
+    state = {k: torch.randn(v.shape, generator=gen, dtype=v.dtype) for k, v in like.items()}
+    want = {k: v.clone() for k, v in state.items()}
+    with_meta.write_averages(state, plan.active_t, plan.active_weight)
+    for k, v in plain.averages(plan.active_t, plan.weight[plan.active_t]).items():
+        want[k][plan.active_t] = v
+    for k in like:
+        assert torch.equal(state[k], want[k])  # the untouched row (an inactive group) included
