@@ -332,14 +332,26 @@ def mix_rows(models: dict[str, Tensor], mixes: Sequence[Sequence[tuple[int, floa
     """
     n = len(mixes)
     depth = max((len(m) for m in mixes), default=0)
+    terms = []  # per term position j: (rows picked, their weights, output rows): the same for every tensor
+    for j in range(depth):
+        sel = [i for i, m in enumerate(mixes) if len(m) > j]
+        terms.append(([mixes[i][j][0] for i in sel], [mixes[i][j][1] for i in sel], sel))
+    index: dict[torch.device, list[tuple[Tensor, Tensor]]] = {}
+    weights: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
     out = {}
     for k, v in models.items():
+        if v.device not in index:
+            index[v.device] = [
+                (torch.as_tensor(rows, device=v.device), torch.as_tensor(sel, device=v.device))
+                for rows, _, sel in terms
+            ]
+        if (v.dtype, v.device) not in weights:
+            weights[(v.dtype, v.device)] = [
+                torch.as_tensor(w, dtype=torch.float64).to(v) for _, w, _ in terms
+            ]
         acc = v.new_zeros((n, *v.shape[1:]))
-        for j in range(depth):
-            sel = [i for i, m in enumerate(mixes) if len(m) > j]
-            rows = torch.as_tensor([mixes[i][j][0] for i in sel], device=v.device)
-            w = torch.as_tensor([mixes[i][j][1] for i in sel], dtype=torch.float64).to(v)
-            term = v.index_select(0, rows) * w.view(-1, *([1] * (v.ndim - 1)))
-            acc.index_add_(0, torch.as_tensor(sel, device=v.device), term)
+        shape = (-1, *([1] * (v.ndim - 1)))
+        for (rows_t, sel_t), w in zip(index[v.device], weights[(v.dtype, v.device)]):
+            acc.index_add_(0, sel_t, v.index_select(0, rows_t) * w.view(shape))
         out[k] = acc
     return out
