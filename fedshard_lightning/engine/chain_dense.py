@@ -45,6 +45,7 @@ class DenseChain:
         self.first = min(i for i, (kind, _) in enumerate(self.links) if kind == "linear")
         self._views: tuple[tuple[Tensor, ...], list[tuple[Tensor, Tensor] | None]] | None = None
         self._minus_one: Tensor | None = None
+        self._flat_inputs: set[int] = set()  # widths of flat samples the leading reshapes leave as they are
 
     @classmethod
     def of(cls, ops: Sequence[object]) -> DenseChain | None:
@@ -83,46 +84,60 @@ class DenseChain:
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """:meth:`.chain.StackedChain.step` (same arguments, same results, same bits)."""
         c, b = y.shape
-        h = x.reshape(c * b, *x.shape[2:])
-        for fn in self.flatten:
-            h = fn(h)
-        h = h.reshape(c, b, -1)
+        if x.ndim == 3 and x.shape[2] in self._flat_inputs and x.is_contiguous():
+            h = x  # the leading reshapes leave a flat sample as it is (seen once for this width)
+        else:
+            h = x.reshape(c * b, *x.shape[2:])
+            for fn in self.flatten:
+                h = fn(h)
+            if x.ndim == 3 and h.shape[1:] == x.shape[2:]:
+                self._flat_inputs.add(x.shape[2])
+            h = h.reshape(c, b, -1)
+        if torch.is_grad_enabled():  # the caller's no_grad (the engine's lean rounds) spares the context
+            with torch.no_grad():
+                return self._run(params, h, y, weight, lr)
+        return self._run(params, h, y, weight, lr)
+
+    def _run(
+        self, params: dict[str, Tensor], h: Tensor, y: Tensor, weight: Tensor, lr: dict[str, float] | None
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """The step on flattened inputs ``h`` [c, b, features], gradients off."""
+        c, b = y.shape
         views = self._layer_views(params)
         saved: list[Tensor] = []
-        with torch.no_grad():
-            for (kind, _), view in zip(self.links, views):
-                saved.append(h)  # a linear link keeps its input, an activation its output
-                if view is not None:
-                    h = torch.baddbmm(view[1], h, view[0])
-                elif kind == "relu":
-                    h = saved[-1] = h.relu()
-                elif kind == "tanh":
-                    h = saved[-1] = h.tanh()
-            logp = torch.log_softmax(h.view(c * b, -1), 1)
-            yf = y.reshape(-1, 1)
-            per = -logp.gather(1, yf).view(c, b)
-            losses = (per * weight).sum(1)
-            g = logp.exp_()
-            g.scatter_add_(1, yf, self._minus_ones(c * b, g))
-            g.mul_(weight.reshape(-1, 1))
-            g = g.view(c, b, -1)
-            grads: dict[str, Tensor] = {}
-            for i in range(len(self.links) - 1, self.first - 1, -1):
-                kind, names = self.links[i]
-                if kind == "linear":
-                    w, bias = params[names[0]], params[names[1]]
-                    h_in = saved[i]
-                    g_in = torch.bmm(g, w) if i > self.first else None
-                    gb = g.sum(1)
-                    if lr is None:
-                        grads[names[0]] = torch.bmm(g.transpose(1, 2), h_in)
-                        grads[names[1]] = gb
-                    else:
-                        torch.baddbmm(w, g.transpose(1, 2), h_in, alpha=-lr[names[0]], out=w)
-                        bias.add_(gb, alpha=-lr[names[1]])
-                    g = g_in
-                elif kind == "relu":
-                    g = _aten.threshold_backward(g, saved[i], 0)
-                elif kind == "tanh":
-                    g = _aten.tanh_backward(g, saved[i])
+        for (kind, _), view in zip(self.links, views):
+            saved.append(h)  # a linear link keeps its input, an activation its output
+            if view is not None:
+                h = torch.baddbmm(view[1], h, view[0])
+            elif kind == "relu":
+                h = saved[-1] = h.relu()
+            elif kind == "tanh":
+                h = saved[-1] = h.tanh()
+        logp = torch.log_softmax(h.view(c * b, -1), 1)
+        yf = y.reshape(-1, 1)
+        per = -logp.gather(1, yf).view(c, b)
+        losses = (per * weight).sum(1)
+        g = logp.exp_()
+        g.scatter_add_(1, yf, self._minus_ones(c * b, g))
+        g.mul_(weight.reshape(-1, 1))
+        g = g.view(c, b, -1)
+        grads: dict[str, Tensor] = {}
+        for i in range(len(self.links) - 1, self.first - 1, -1):
+            kind, names = self.links[i]
+            if kind == "linear":
+                w, bias = params[names[0]], params[names[1]]
+                h_in = saved[i]
+                g_in = torch.bmm(g, w) if i > self.first else None
+                gb = g.sum(1)
+                if lr is None:
+                    grads[names[0]] = torch.bmm(g.transpose(1, 2), h_in)
+                    grads[names[1]] = gb
+                else:
+                    torch.baddbmm(w, g.transpose(1, 2), h_in, alpha=-lr[names[0]], out=w)
+                    bias.add_(gb, alpha=-lr[names[1]])
+                g = g_in
+            elif kind == "relu":
+                g = _aten.threshold_backward(g, saved[i], 0)
+            elif kind == "tanh":
+                g = _aten.tanh_backward(g, saved[i])
         return losses, grads
