@@ -20,7 +20,17 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["BLOCK", "GroupSums", "SumLayout", "block_plan", "mix_rows", "row_meta", "tree_sum"]
+__all__ = [
+    "BLOCK",
+    "GroupSums",
+    "SumLayout",
+    "block_plan",
+    "cached_block_plan",
+    "mix_rows",
+    "reduce_rows",
+    "row_meta",
+    "tree_sum",
+]
 
 BLOCK = 64
 # Elements of a chunk's models above which they are weighted tensor by tensor into the flat matrix
@@ -171,7 +181,7 @@ class GroupSums:
             return
         plan = self._plan(meta, rows[0].device)
         for x, flat in zip(rows, self.flat):
-            _reduce(x, plan, flat)
+            reduce_rows(x, plan, flat)
 
     def _open(self, meta: list[tuple[int, int, int]]) -> bool:
         """Whether the last block of these rows waits for rows of a later chunk."""
@@ -179,13 +189,7 @@ class GroupSums:
         return slot + 1 < min(BLOCK, self.count[g] - block * BLOCK)
 
     def _plan(self, meta: list[tuple[int, int, int]], device: torch.device) -> _Plan:
-        key = tuple(meta)
-        plan = self._plans.get(key)
-        if plan is None:
-            if len(self._plans) > 1024:
-                self._plans.clear()
-            plan = self._plans[key] = block_plan(meta, device)
-        return plan
+        return cached_block_plan(self._plans, meta, device)
 
     def _add_by_columns(self, params: dict[str, Tensor], w: Tensor, meta: list[tuple[int, int, int]]) -> None:
         """:meth:`add` for a large chunk whose blocks all close here, ``_COLUMNS`` columns at a time."""
@@ -203,7 +207,7 @@ class GroupSums:
                     hi = min(n, lo + _COLUMNS)
                     x = buf[: m * (hi - lo)].view(m, hi - lo)
                     torch.mul(src[:, lo:hi], wcol, out=x)
-                    _reduce(x, plan, flat[:, off + lo : off + hi])
+                    reduce_rows(x, plan, flat[:, off + lo : off + hi])
                 off += n
 
     def totals(self) -> dict[str, Tensor]:
@@ -246,7 +250,7 @@ class GroupSums:
         return out
 
 
-def _reduce(x: Tensor, plan: _Plan, target: Tensor) -> None:
+def reduce_rows(x: Tensor, plan: _Plan, target: Tensor) -> None:
     """Sum the weighted rows ``x`` [rows, D] by ``plan`` into ``target`` [groups, D] (in place)."""
     n_keys, plans, scatter = plan
     sums = x.new_empty((n_keys, x.shape[1]))
@@ -263,6 +267,19 @@ def _reduce(x: Tensor, plan: _Plan, target: Tensor) -> None:
 
 # (blocks, [(rows per block, block ids, block count, row pick)], [(groups, block pick)] per rank)
 _Plan = tuple[int, list[tuple[int, Tensor | None, int, Tensor | None]], list[tuple[Tensor, Tensor | None]]]
+
+
+def cached_block_plan(
+    plans: dict[tuple, _Plan], meta: Sequence[tuple[int, int, int]], device: torch.device
+) -> _Plan:
+    """:func:`block_plan` of ``meta``, kept in ``plans`` (at most 1024 layouts, then afresh)."""
+    key = tuple(meta)
+    plan = plans.get(key)
+    if plan is None:
+        if len(plans) > 1024:
+            plans.clear()
+        plan = plans[key] = block_plan(meta, device)
+    return plan
 
 
 def block_plan(meta: Sequence[tuple[int, int, int]], dev: torch.device) -> _Plan:

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.engine.aggregate import GroupSums, SumLayout
 from fedshard_lightning.engine.groups import Group, RoundInfo, TrainResult, stack_params, unstack_params
+from fedshard_lightning.engine.lean_rounds import lean_eligible, run_lean
 from fedshard_lightning.engine.local import ClientBatch, Kernel, LocalResult, LocalTrainer, RandomInStep
 from fedshard_lightning.engine.local_layers import LocalLayers
 from fedshard_lightning.engine.optim import OptimizerSpec, optimizer_spec
@@ -108,7 +109,7 @@ class FederatedEngine:
         self.chunk = max_chunk_clients or self._chunk_from_budget(memory_budget_mb)
         self.policy: ParticipantPolicy = KeyedSampling(self.client_fraction, self.seed)
         self._cuda = next(module.parameters()).device.type == "cuda"  # asked every round: once
-        self._sum_plans: dict = {}  # GroupSums' block plans, by chunk layout (aggregate.py)
+        self.sum_plans: dict = {}  # GroupSums' block plans, by chunk layout (aggregate.py)
         self._block: tuple[tuple, int | None] | None = None
 
     # -- parameters ------------------------------------------------------------------------------
@@ -171,11 +172,11 @@ class FederatedEngine:
         if self._mode == "stacked":
             try:
                 res = self._run_stacked(state, rows, batch)
-                self._announce()
+                self.announce()
                 return res
             except RandomInStep as err:
                 self._mode, self.mode_reason = "loop", f"{err}; the loop seeds each client step by its key"
-        self._announce()
+        self.announce()
         return self.local.train_loop(state, batch, rows)
 
     @property
@@ -185,7 +186,8 @@ class FederatedEngine:
             return f"local training: stacked clients, kernel {self.local.program_status} ({self.mode_reason})"
         return f"local training: per-client loop ({self.mode_reason})"
 
-    def _announce(self) -> None:
+    def announce(self) -> None:
+        """Report the local-training path once (``on_mode``)."""
         if not self._announced and self.on_mode is not None:
             self._announced = True
             self.on_mode(self.mode_line)
@@ -272,6 +274,8 @@ class FederatedEngine:
                 rounds actually run are reported in ``rounds_run``).
             keep_client_params: Put the participants' final and start parameters in the record.
         """
+        if on_round_end is None and not keep_client_params and lean_eligible(self, groups):
+            return run_lean(self, init, groups, stage)  # nobody watches the rounds: the same bits, leaner
         t0 = time.perf_counter()
         state = {k: v.clone() for k, v in init.items()}
         G = len(groups)
@@ -300,7 +304,7 @@ class FederatedEngine:
                     last = min(groups[i].rounds for i in active)
                     for ch in plan.chunks:
                         self.local.plans.expect(ch.clients, [groups[i].key for i in ch.owners], stage, last)
-            sums = GroupSums(state, plan.counts, self._sum_plans, layout)
+            sums = GroupSums(state, plan.counts, self.sum_plans, layout)
             loss_sum = torch.zeros(G, dtype=torch.float64)
             step_count = np.zeros(G, dtype=np.int64)
             logged: dict[str, float] = {}
@@ -319,7 +323,7 @@ class FederatedEngine:
                         "sample, or nn.GroupNorm"
                     ) from None
                 losses = res.loss_sum.detach().cpu().double()  # one host copy: the check and the sums
-                self._check_finite(losses.numpy(), cl, ow, groups, stage, r)
+                self.check_finite(losses.numpy(), cl, ow, groups, stage, r)
                 local.keep(res.params, cl)
                 sums.add(res.params, ch.samples, ow, ch.meta)
                 loss_sum.index_add_(0, ch.owners_cpu, losses)
@@ -379,9 +383,10 @@ class FederatedEngine:
             logged[k] = logged.get(k, 0.0) + float((n * v.detach().cpu().double() / steps).sum())
 
     @staticmethod
-    def _check_finite(
+    def check_finite(
         losses: np.ndarray, clients: list[int], owner: list[int], groups: Sequence[Group], stage: int, r: int
     ) -> None:
+        """Raise :class:`NonFiniteLossError` naming the first client of round ``r`` whose loss is not finite."""
         finite = np.isfinite(losses)
         if finite.all():
             return

@@ -113,7 +113,7 @@ class LocalTrainer:
         self._fused: tuple[OptimizerSpec | None, dict[str, float] | None] = (None, None)
         own = [ix.cpu().numpy().astype(np.int64) for ix in datamodule.client_indices]
         self.plans = BatchPlans(schedule, seed, own)  # keyed batches, planned ahead by the engine
-        self._layouts = StepLayouts(schedule.batch_size, self.dtype)  # per distinct batch sizes
+        self.layouts = StepLayouts(schedule.batch_size, self.dtype)  # per distinct batch sizes
 
     def _loss(
         self,
@@ -130,6 +130,11 @@ class LocalTrainer:
     def program_status(self) -> str | None:
         """The kernel choice as text, for logs and benchmark tables."""
         return None if self.kernel_choice is None else str(self.kernel_choice)
+
+    @property
+    def chain(self) -> StackedChain | None:
+        """The hand-written chain kernel, when it is the one that trains (after :meth:`program`)."""
+        return self._chain
 
     def program(self) -> StackedProgram | None:
         """The vmap-free rewrite of the model's loss, built and checked once (None: keep vmap)."""
@@ -238,7 +243,7 @@ class LocalTrainer:
         m_all = len(batch.clients)
         b = self.schedule.batch_size
         device = next(iter(start.values())).device
-        lay = self._layouts(gsz, steps, device, chain is not None)
+        lay = self.layouts(gsz, steps, device, chain is not None)
         order, order_t, in_order, s_max, gsz = lay.order, lay.order_t, lay.in_order, lay.s_max, lay.gsz
         gidx_t = torch.as_tensor(
             np.ascontiguousarray((gidx if in_order else gidx[order]).transpose(1, 0, 2)), device=device

@@ -1,0 +1,233 @@
+"""Rounds of the same participants with every per-round decision made once (the engine's lean path).
+
+Unlearning retrains one shard per stage: rounds of one, three or seven clients whose local work
+is a few dozen small kernels. There the engine's per-round bookkeeping (plans, layouts,
+allocations, a host check and a dozen dict operations) cost about as much as the training itself,
+so the wall-clock gain of retraining few clients fell far short of its gain in client-steps.
+
+:func:`run_lean` runs a call of :meth:`.FederatedEngine.train_groups` whose rounds nobody watches
+(no ``on_round_end``, no client parameters kept) when every round of a segment has the same
+participants (full participation) in one chunk, and the local step is the hand-written chain with
+plain SGD fused into its backward. Per segment of rounds with the same active groups it makes once
+what the general path remakes every round: the batch plans of all its rounds (one vectorized
+call), the step layout, the index tensors, the parameter and sum buffers and the block plan of the
+sums. A round is then the chain steps, one weighted sum and one row copy per dtype. The operators
+and their operands are those of the general path, so the results are the same bits
+(``tests/engine/test_lean_rounds.py`` compares every result of both paths).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from fedshard_lightning.engine.aggregate import SumLayout, cached_block_plan, reduce_rows
+from fedshard_lightning.engine.groups import Group, RoundInfo, TrainResult
+from fedshard_lightning.engine.optim import fused_sgd_lr
+from fedshard_lightning.engine.round_plan import RoundPlan
+
+if TYPE_CHECKING:
+    from fedshard_lightning.engine.engine import FederatedEngine
+
+__all__ = ["lean_eligible", "run_lean"]
+
+# A round's samples are gathered in one call when they take at most this much memory.
+_WHOLE_ROUND_BYTES = 16 << 20
+
+
+def lean_eligible(engine: FederatedEngine, groups: Sequence[Group]) -> bool:
+    """Whether :func:`run_lean` can run these groups (the caller has checked that nobody watches rounds)."""
+    local = engine.local
+    if engine.mode != "stacked" or engine.local_names or engine.buffer_names or not engine.samples_everyone:
+        return False
+    local.program()  # the kernel choice, made once
+    if local.compiled or local.lr_at is not None or local.chain is None:
+        return False
+    if engine.invariant_block() is not None or fused_sgd_lr(local.spec) is None:
+        return False
+    return sum(len(g.clients) for g in groups) <= engine.chunk  # every round in one chunk
+
+
+def run_lean(
+    engine: FederatedEngine, init: dict[str, Tensor], groups: Sequence[Group], stage: int
+) -> TrainResult:
+    """:meth:`.FederatedEngine.train_groups` of ``groups`` (see :func:`lean_eligible`), the same results."""
+    t0 = time.perf_counter()
+    layout = SumLayout.of(init)
+    g_count = len(groups)
+    flats, state = _flat_state(init, layout)
+    rounds_run = [0] * g_count
+    group_steps = [0] * g_count
+    history: list[RoundInfo] = []
+    max_rounds = max((g.rounds for g in groups), default=0)
+    r = 0
+    with torch.no_grad():
+        while r < max_rounds:
+            active = [i for i, g in enumerate(groups) if r < g.rounds and g.clients]
+            if not active:
+                break
+            end = min(groups[i].rounds for i in active)
+            segment = _Segment(engine, state, layout, groups, active, stage, r)
+            for lo in range(r, end, segment.window):
+                segment.run(flats, state, range(lo, min(end, lo + segment.window)), history)
+            for i in active:
+                rounds_run[i] += end - r
+                group_steps[i] += (end - r) * segment.steps_of[i]
+            r = end
+    engine.announce()
+    return TrainResult(
+        params={k: v.contiguous() for k, v in state.items()},
+        client_steps=int(sum(group_steps)),
+        group_client_steps=group_steps,
+        rounds_run=rounds_run,
+        seconds=time.perf_counter() - t0,
+        history=history,
+    )
+
+
+def _flat_state(init: dict[str, Tensor], layout: SumLayout) -> tuple[list[Tensor], dict[str, Tensor]]:
+    """A copy of ``init`` held as one [G, D] matrix per dtype (in the sums' layout) and views by name."""
+    g = len(next(iter(init.values())))
+    flats, state = [], {}
+    for names in layout.kinds:
+        first = init[names[0]]
+        flat = first.new_empty((g, sum(layout.numel[k] for k in names)))
+        off = 0
+        for k in names:
+            n = layout.numel[k]
+            state[k] = flat[:, off : off + n].view(g, *layout.shapes[k])
+            state[k].copy_(init[k])
+            off += n
+        flats.append(flat)
+    return flats, state
+
+
+class _Segment:
+    """Rounds ``start..`` with the same active groups: everything but the training made once."""
+
+    def __init__(
+        self,
+        engine: FederatedEngine,
+        state: dict[str, Tensor],
+        layout: SumLayout,
+        groups: Sequence[Group],
+        active: list[int],
+        stage: int,
+        start: int,
+    ) -> None:
+        local = engine.local
+        self.engine, self.layout, self.groups, self.stage = engine, layout, groups, stage
+        parts = [engine.participants(stage, groups[i], start) for i in active]
+        first = next(iter(state.values()))
+        dev, dtype = first.device, first.dtype
+        self.plan = RoundPlan.build(active, parts, len(groups), engine.sizes, engine.chunk, dtype, dev)
+        (chunk,) = self.plan.chunks
+        self.clients, self.owners = chunk.clients, chunk.owners
+        self.keys = [groups[i].key for i in chunk.owners]
+        m = self.m = len(self.clients)
+        self.lr = fused_sgd_lr(local.spec)
+        steps = local.schedule.plan_steps(engine.sizes[self.clients])
+        self.steps_of = {i: 0 for i in active}
+        for o, s in zip(self.owners, steps.tolist()):
+            self.steps_of[o] += int(s)
+        slots = int(steps.max(initial=0)) * m * local.schedule.batch_size
+        self.window = max(1, local.plans.budget // max(slots, 1))  # rounds planned together
+        self.leaves = {k: state[k].new_empty((m, *layout.shapes[k])) for k in engine.names}
+        self.xbuf = [first.new_empty((m, sum(layout.numel[k] for k in names))) for names in layout.kinds]
+        self.sums = [first.new_empty((len(groups), x.shape[1])) for x in self.xbuf]
+        self.block = cached_block_plan(engine.sum_plans, chunk.meta, dev)
+        self.wcol = {x.dtype: chunk.samples.to(x.dtype).unsqueeze(1) for x in self.xbuf}
+        self.avg_w = {x.dtype: self.plan.active_weight.to(x).unsqueeze(1) for x in self.xbuf}
+        self.rows = chunk.owners_t
+        self.lay = None
+
+    def run(
+        self, flats: list[Tensor], state: dict[str, Tensor], rounds: range, history: list[RoundInfo]
+    ) -> None:
+        """Train ``rounds`` (consecutive, planned together) and average each into ``state``."""
+        local, m = self.engine.local, self.m
+        planned = local.plans.plan(self.clients, self.keys, self.stage, rounds)
+        _, gsz, steps = planned[0]
+        lay = self.lay = local.layouts(gsz, steps, flats[0].device, True)
+        order = None if lay.in_order else lay.order
+        gidx_all = torch.as_tensor(
+            np.stack([(p[0] if order is None else p[0][order]).transpose(1, 0, 2) for p in planned]),
+            device=flats[0].device,
+        )  # [R, S, m, B] in step order
+        pick = self.rows if lay.in_order else self.rows.index_select(0, lay.order_t)
+        losses = flats[0].new_zeros((len(rounds), m), dtype=local.dtype)  # step order
+        dm, chain, weight_all = local.dm, local.chain, lay.weight_all
+        inverse = None if lay.in_order else torch.argsort(lay.order_t)
+        sample = dm.train_x[0].numel() * torch.finfo(local.dtype).bits // 8
+        whole = gidx_all[0].numel() * sample <= _WHOLE_ROUND_BYTES
+        times = []
+        for j in range(len(rounds)):
+            tr = time.perf_counter()
+            if not (np.array_equal(planned[j][1], gsz) and np.array_equal(planned[j][2], steps)):
+                raise RuntimeError("batch sizes changed between rounds of the same participants")
+            for k, leaf in self.leaves.items():
+                torch.index_select(state[k], 0, pick, out=leaf)
+            if whole:  # the round's batches in one gather
+                x_all, y_all = dm.gather(gidx_all[j], local.dtype)
+            for s, live in enumerate(lay.live):
+                if whole:
+                    x, y = x_all[s, :live], y_all[s, :live]
+                else:
+                    x, y = dm.gather(gidx_all[j, s, :live], local.dtype)
+                named = self.leaves if live == m else {k: v[:live] for k, v in self.leaves.items()}
+                loss, _ = chain.step(named, x, y, weight_all[s, :live], self.lr)
+                losses[j, :live] += loss
+            self._average(flats, inverse)
+            times.append(time.perf_counter() - tr)
+        self._record(losses if inverse is None else losses.index_select(1, inverse), rounds, times, history)
+
+    def _average(self, flats: list[Tensor], inverse: Tensor | None) -> None:
+        """Sample-weighted FedAvg of the leaves into the state rows of the active groups (GroupSums' bits)."""
+        layout = self.layout
+        for names, x, sums, flat in zip(layout.kinds, self.xbuf, self.sums, flats):
+            torch.cat([self.leaves[k].reshape(self.m, -1) for k in names], 1, out=x)
+            if inverse is not None:  # participant order: the sums add rows in it
+                x.copy_(x.index_select(0, inverse))
+            x.mul_(self.wcol[x.dtype])
+            sums.zero_()
+            reduce_rows(x, self.block, sums)
+            flat.index_copy_(
+                0, self.plan.active_t, sums.index_select(0, self.plan.active_t) / self.avg_w[x.dtype]
+            )
+
+    def _record(self, losses: Tensor, rounds: range, times: list[float], history: list[RoundInfo]) -> None:
+        """Check the losses and add the rounds' records (as the general path makes them)."""
+        engine, plan = self.engine, self.plan
+        host = losses.detach().cpu().double()
+        finite = torch.isfinite(host)
+        if not bool(finite.all()):
+            j = int((~finite).any(1).nonzero()[0])
+            engine.check_finite(
+                host[j].numpy(), self.clients, self.owners, self.groups, self.stage, rounds[j]
+            )
+        g_count = len(self.groups)
+        sums = torch.zeros((len(rounds), g_count), dtype=torch.float64)
+        sums.index_add_(1, torch.as_tensor(self.owners), host)
+        steps = np.zeros(g_count, dtype=np.int64)
+        for i, s in self.steps_of.items():
+            steps[i] = s
+        total = int(steps.sum())
+        means = (sums.numpy()[:, plan.active] / np.maximum(steps[plan.active], 1)).tolist()
+        for j, r in enumerate(rounds):
+            history.append(
+                RoundInfo(
+                    stage=self.stage,
+                    round=r,
+                    active=list(plan.active),
+                    participants=plan.parts,
+                    mean_loss=means[j],
+                    client_steps=total,
+                    seconds=times[j],
+                    client_ids=plan.clients,
+                )
+            )

@@ -1,0 +1,123 @@
+"""The engine's lean path for unwatched rounds against its general path: every result, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fedshard_lightning.data import SyntheticDataModule
+from fedshard_lightning.engine import FederatedEngine, Group, LocalSchedule, stack_params
+from fedshard_lightning.engine.lean_rounds import lean_eligible
+from fedshard_lightning.errors import NonFiniteLossError
+from fedshard_lightning.models import MLP
+
+
+def _engine(k=10, dtype=torch.float32, seed=0, batch=4, lr=0.1, fraction=1.0, vectorize="always", **kw):
+    dm = SyntheticDataModule(
+        num_clients=k,
+        partition="dirichlet",
+        rho=0.5,
+        min_client_size=3,
+        num_samples=160,
+        num_test=20,
+        shape=(6,),
+        num_classes_=3,
+        seed=seed,
+    )
+    dm.setup()
+    torch.manual_seed(seed)
+    m = MLP(hidden=(8, 5), lr=lr, **kw)
+    m.bind_data(dm.input_shape, dm.num_classes)
+    return FederatedEngine(
+        m.to(dtype),
+        dm,
+        LocalSchedule(batch_size=batch),
+        seed=seed,
+        client_fraction=fraction,
+        vectorize=vectorize,
+    )
+
+
+def _watched(info, state):  # a hook that changes nothing: the general path
+    return None
+
+
+def _bits(t):
+    return t.view({torch.float32: torch.int32, torch.float64: torch.int64}[t.dtype])
+
+
+def _same(a, b):
+    assert a.params.keys() == b.params.keys()
+    for k in a.params:
+        assert a.params[k].shape == b.params[k].shape and torch.equal(
+            _bits(a.params[k]), _bits(b.params[k])
+        ), k
+    assert a.client_steps == b.client_steps and a.group_client_steps == b.group_client_steps
+    assert a.rounds_run == b.rounds_run and len(a.history) == len(b.history)
+    for x, y in zip(a.history, b.history):
+        assert (x.stage, x.round, x.active, x.participants) == (y.stage, y.round, y.active, y.participants)
+        assert (x.client_steps, x.client_ids, x.metrics) == (y.client_steps, y.client_ids, y.metrics)
+        assert x.mean_loss == y.mean_loss  # the same float64 sums, in the same order
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    split=st.lists(st.integers(0, 3), min_size=10, max_size=10),
+    rounds=st.lists(st.integers(0, 4), min_size=4, max_size=4),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+    seed=st.integers(0, 50),
+    batch=st.integers(2, 9),
+)
+def test_lean_rounds_equal_the_general_path(split, rounds, dtype, seed, batch):
+    """Groups of unequal sizes and rounds (segments), clients with unequal steps, empty groups."""
+    eng = _engine(dtype=dtype, seed=seed, batch=batch)
+    groups = [Group(g, tuple(c for c, s in enumerate(split) if s == g), rounds[g]) for g in range(4)]
+    assert lean_eligible(eng, groups)
+    init = stack_params([eng.module_params()] * len(groups))
+    init = {
+        k: v + 0.01 * torch.arange(len(groups), dtype=v.dtype).view(-1, *[1] * (v.ndim - 1))
+        for k, v in init.items()
+    }
+    lean = eng.train_groups(init, groups, stage=2)
+    general = eng.train_groups(init, groups, stage=2, on_round_end=_watched)
+    _same(lean, general)
+    assert all(v.is_contiguous() for v in lean.params.values())
+
+
+def test_lean_path_is_taken_only_where_it_applies():
+    eng = _engine()
+    groups = [Group(0, tuple(range(10)), 2)]
+    assert lean_eligible(eng, groups)
+    eng.chunk = 4  # several chunks a round
+    assert not lean_eligible(eng, groups)
+    assert not lean_eligible(_engine(momentum=0.9), groups)  # no fused SGD
+    assert not lean_eligible(_engine(fraction=0.5), groups)  # participants vary by round
+    assert not lean_eligible(_engine(vectorize="never"), groups)  # the per-client loop
+    assert not lean_eligible(_engine(vectorize="auto"), groups)  # not yet probed: the general path probes
+
+
+def test_lean_path_reports_a_non_finite_loss_like_the_general_path():
+    groups = [Group(0, tuple(range(5)), 3), Group(1, tuple(range(5, 10)), 3)]
+    errors = []
+    for hook in (None, _watched):
+        eng = _engine(lr=1e30)
+        init = stack_params([eng.module_params()] * 2)
+        with pytest.raises(NonFiniteLossError) as err:
+            eng.train_groups(init, groups, stage=1, on_round_end=hook)
+        errors.append(str(err.value))
+    assert errors[0] == errors[1] and "stage 1" in errors[0]
+
+
+def test_lean_path_equals_the_per_client_loop():
+    """An independent reference: the per-client loop with the user's optimizer and backward."""
+    groups = [Group(0, tuple(range(4)), 3), Group(1, tuple(range(4, 10)), 2)]
+    out = []
+    for mode in ("always", "never"):
+        eng = _engine(dtype=torch.float64, vectorize=mode)
+        assert lean_eligible(eng, groups) == (mode == "always")
+        out.append(eng.train_groups(stack_params([eng.module_params()] * 2), groups, stage=1))
+    for k in out[0].params:
+        torch.testing.assert_close(out[0].params[k], out[1].params[k], rtol=1e-10, atol=1e-12)
+    assert out[0].client_steps == out[1].client_steps
