@@ -353,22 +353,26 @@ def mix_rows(models: dict[str, Tensor], mixes: Sequence[Sequence[tuple[int, floa
     for j in range(depth):
         sel = [i for i, m in enumerate(mixes) if len(m) > j]
         terms.append(([mixes[i][j][0] for i in sel], [mixes[i][j][1] for i in sel], sel))
-    index: dict[torch.device, list[tuple[Tensor, Tensor]]] = {}
-    weights: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
-    out = {}
+    used = sorted({r for rows, _, _ in terms for r in rows})
+    at = {r: i for i, r in enumerate(used)}
+    kinds: dict[tuple[torch.dtype, torch.device], list[str]] = {}
     for k, v in models.items():
-        if v.device not in index:
-            index[v.device] = [
-                (torch.as_tensor(rows, device=v.device), torch.as_tensor(sel, device=v.device))
-                for rows, _, sel in terms
-            ]
-        if (v.dtype, v.device) not in weights:
-            weights[(v.dtype, v.device)] = [
-                torch.as_tensor(w, dtype=torch.float64).to(v) for _, w, _ in terms
-            ]
-        acc = v.new_zeros((n, *v.shape[1:]))
-        shape = (-1, *([1] * (v.ndim - 1)))
-        for (rows_t, sel_t), w in zip(index[v.device], weights[(v.dtype, v.device)]):
-            acc.index_add_(0, sel_t, v.index_select(0, rows_t) * w.view(shape))
-        out[k] = acc
-    return out
+        kinds.setdefault((v.dtype, v.device), []).append(k)
+    out = {}
+    for (_, dev), names in kinds.items():  # all tensors of a dtype as one [rows, D] matrix
+        size = [math.prod(models[k].shape[1:]) for k in names]
+        if used:
+            used_t = torch.as_tensor(used, device=dev)
+            src = torch.cat([models[k].index_select(0, used_t).reshape(len(used), -1) for k in names], 1)
+        else:
+            src = models[names[0]].new_zeros((0, sum(size)))
+        acc = src.new_zeros((n, src.shape[1]))
+        for rows, w, sel in terms:  # element-wise, term by term: the bits of a sum per tensor
+            pick = torch.as_tensor([at[r] for r in rows], device=dev)
+            weight = torch.as_tensor(w, dtype=torch.float64).to(src).view(-1, 1)
+            acc.index_add_(0, torch.as_tensor(sel, device=dev), src.index_select(0, pick) * weight)
+        off = 0
+        for k, numel in zip(names, size):
+            out[k] = acc[:, off : off + numel].view(n, *models[k].shape[1:])
+            off += numel
+    return {k: out[k] for k in models}
