@@ -23,6 +23,7 @@ what any eager PyTorch loop pays. For the same fitted methods and the same reque
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 
@@ -57,7 +58,7 @@ class BareLoop:
     def __init__(self, widths: list[int], samples: int, batch: int, steps: int, seed: int = 0) -> None:
         gen = torch.Generator().manual_seed(seed)
         self.widths, self.batch, self.steps = widths, batch, steps
-        self.shapes = [s for a, b in zip(widths[:-1], widths[1:]) for s in ((b, a), (b,))]
+        self.shapes = [s for a, b in itertools.pairwise(widths) for s in ((b, a), (b,))]
         self.sizes = [torch.Size(s).numel() for s in self.shapes]
         self.x = torch.randn(samples, widths[0], generator=gen)
         self.y = torch.randint(0, widths[-1], (samples,), generator=gen)
@@ -129,7 +130,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    ns = argparse.Namespace(dataset="synthetic", samples_per_client=args.samples_per_client, hidden=args.hidden)
+    ns = argparse.Namespace(
+        dataset="synthetic", samples_per_client=args.samples_per_client, hidden=args.hidden
+    )
     k = args.clients
     fs = us.fit("FedShard", us.FedShard(merge_rate=2, rounds="a2", t0=2, t1=8, **us.LOCAL), k, ns)
     per_round = fs.alg.engine.client_steps_of(range(k))
@@ -137,7 +140,9 @@ def main() -> None:
     steps = per_round // k
     widths = [64, *args.hidden, 10]
     bare = BareLoop(widths, args.samples_per_client * k, us.LOCAL["batch_size"], steps)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); K={k}, MLP {widths}, {steps} steps a round")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); K={k}, MLP {widths}, {steps} steps a round"
+    )
     rows = []
     requests = [(2 * i + 1) * k // (2 * args.requests) for i in range(args.requests)]
     for c in requests:
@@ -159,7 +164,9 @@ def main() -> None:
     for c, out in rows:
         for name, (request, rounds, floor, calls) in out.items():
             shape = " ".join(f"{n}x{r}" for n, r in calls)
-            print(f"| {c} | {name} | {shape} | {request * 1e3:.1f} | {rounds * 1e3:.1f} | {floor * 1e3:.1f} |")
+            print(
+                f"| {c} | {name} | {shape} | {request * 1e3:.1f} | {rounds * 1e3:.1f} | {floor * 1e3:.1f} |"
+            )
     print()
     print("| client | FA / FedShard: request | rounds | bare loop | client-rounds |")
     print("|---|---|---|---|---|")

@@ -111,6 +111,8 @@ class FederatedEngine:
         self._cuda = next(module.parameters()).device.type == "cuda"  # asked every round: once
         self.sum_plans: dict = {}  # GroupSums' block plans, by chunk layout (aggregate.py)
         self._block: tuple[tuple, int | None] | None = None
+        # Run eligible calls on the lean path (lean_rounds.py); False forces the general one (tests).
+        self.lean_rounds = True
 
     # -- parameters ------------------------------------------------------------------------------
     def with_optimizer(self, spec: OptimizerSpec) -> FederatedEngine:
@@ -274,8 +276,8 @@ class FederatedEngine:
                 rounds actually run are reported in ``rounds_run``).
             keep_client_params: Put the participants' final and start parameters in the record.
         """
-        if on_round_end is None and not keep_client_params and lean_eligible(self, groups):
-            return run_lean(self, init, groups, stage)  # nobody watches the rounds: the same bits, leaner
+        if self.lean_rounds and not keep_client_params and lean_eligible(self, groups):
+            return run_lean(self, init, groups, stage, on_round_end)  # the same results, leaner
         t0 = time.perf_counter()
         state = {k: v.clone() for k, v in init.items()}
         G = len(groups)

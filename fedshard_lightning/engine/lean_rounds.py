@@ -19,7 +19,7 @@ and their operands are those of the general path, so the results are the same bi
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -34,7 +34,9 @@ from fedshard_lightning.engine.round_plan import RoundPlan
 if TYPE_CHECKING:
     from fedshard_lightning.engine.engine import FederatedEngine
 
-__all__ = ["lean_eligible", "run_lean"]
+__all__ = ["RoundHook", "lean_eligible", "run_lean"]
+
+RoundHook = Callable[[RoundInfo, dict[str, Tensor]], Sequence[bool] | None]
 
 # A round's samples are gathered in one call when they take at most this much memory.
 _WHOLE_ROUND_BYTES = 16 << 20
@@ -54,31 +56,44 @@ def lean_eligible(engine: FederatedEngine, groups: Sequence[Group]) -> bool:
 
 
 def run_lean(
-    engine: FederatedEngine, init: dict[str, Tensor], groups: Sequence[Group], stage: int
+    engine: FederatedEngine,
+    init: dict[str, Tensor],
+    groups: Sequence[Group],
+    stage: int,
+    on_round_end: RoundHook | None = None,
 ) -> TrainResult:
-    """:meth:`.FederatedEngine.train_groups` of ``groups`` (see :func:`lean_eligible`), the same results."""
+    """:meth:`.FederatedEngine.train_groups` of ``groups`` (see :func:`lean_eligible`), the same results.
+
+    ``on_round_end`` is called after every round as the general path calls it (with the state as
+    contiguous tensors); a group it stops ends the segment, and the next one trains without it.
+    """
     t0 = time.perf_counter()
     layout = SumLayout.of(init)
     g_count = len(groups)
     flats, state = _flat_state(init, layout)
     rounds_run = [0] * g_count
     group_steps = [0] * g_count
+    stopped = [False] * g_count
     history: list[RoundInfo] = []
     max_rounds = max((g.rounds for g in groups), default=0)
     r = 0
     with torch.no_grad():
         while r < max_rounds:
-            active = [i for i, g in enumerate(groups) if r < g.rounds and g.clients]
+            active = [i for i, g in enumerate(groups) if r < g.rounds and not stopped[i] and g.clients]
             if not active:
                 break
             end = min(groups[i].rounds for i in active)
             segment = _Segment(engine, state, layout, groups, active, stage, r)
-            for lo in range(r, end, segment.window):
-                segment.run(flats, state, range(lo, min(end, lo + segment.window)), history)
-            for i in active:
-                rounds_run[i] += end - r
-                group_steps[i] += (end - r) * segment.steps_of[i]
-            r = end
+            while r < end:
+                ran = segment.run(
+                    flats, state, range(r, min(end, r + segment.window)), history, on_round_end, stopped
+                )
+                for i in active:
+                    rounds_run[i] += ran
+                    group_steps[i] += ran * segment.steps_of[i]
+                r += ran
+                if any(stopped[i] for i in active):
+                    break
     engine.announce()
     return TrainResult(
         params={k: v.contiguous() for k, v in state.items()},
@@ -147,9 +162,19 @@ class _Segment:
         self.lay = None
 
     def run(
-        self, flats: list[Tensor], state: dict[str, Tensor], rounds: range, history: list[RoundInfo]
-    ) -> None:
-        """Train ``rounds`` (consecutive, planned together) and average each into ``state``."""
+        self,
+        flats: list[Tensor],
+        state: dict[str, Tensor],
+        rounds: range,
+        history: list[RoundInfo],
+        hook: RoundHook | None,
+        stopped: list[bool],
+    ) -> int:
+        """Train ``rounds`` (consecutive, planned together), average each into ``state``; rounds run.
+
+        Without ``hook`` the losses are checked and recorded once at the end; with one, after every
+        round, and a round whose hook stops a group is the last one run here.
+        """
         local, m = self.engine.local, self.m
         planned = local.plans.plan(self.clients, self.keys, self.stage, rounds)
         _, gsz, steps = planned[0]
@@ -184,7 +209,20 @@ class _Segment:
                 losses[j, :live] += loss
             self._average(flats, inverse)
             times.append(time.perf_counter() - tr)
-        self._record(losses if inverse is None else losses.index_select(1, inverse), rounds, times, history)
+            if hook is not None:
+                row = losses[j : j + 1] if inverse is None else losses[j : j + 1].index_select(1, inverse)
+                (info,) = self._record(row, rounds[j : j + 1], times[j:], history)
+                stop = hook(info, {k: v.contiguous() for k, v in state.items()})
+                if stop is not None:
+                    for i, s_ in enumerate(stop):
+                        stopped[i] = stopped[i] or bool(s_)
+                    if any(stopped[i] for i in self.plan.active):
+                        return j + 1
+        if hook is None:
+            self._record(
+                losses if inverse is None else losses.index_select(1, inverse), rounds, times, history
+            )
+        return len(rounds)
 
     def _average(self, flats: list[Tensor], inverse: Tensor | None) -> None:
         """Sample-weighted FedAvg of the leaves into the state rows of the active groups (GroupSums' bits)."""
@@ -200,8 +238,10 @@ class _Segment:
                 0, self.plan.active_t, sums.index_select(0, self.plan.active_t) / self.avg_w[x.dtype]
             )
 
-    def _record(self, losses: Tensor, rounds: range, times: list[float], history: list[RoundInfo]) -> None:
-        """Check the losses and add the rounds' records (as the general path makes them)."""
+    def _record(
+        self, losses: Tensor, rounds: range, times: list[float], history: list[RoundInfo]
+    ) -> list[RoundInfo]:
+        """Check the losses and add the rounds' records (as the general path makes them); the new records."""
         engine, plan = self.engine, self.plan
         host = losses.detach().cpu().double()
         finite = torch.isfinite(host)
@@ -218,8 +258,9 @@ class _Segment:
             steps[i] = s
         total = int(steps.sum())
         means = (sums.numpy()[:, plan.active] / np.maximum(steps[plan.active], 1)).tolist()
+        new = []
         for j, r in enumerate(rounds):
-            history.append(
+            new.append(
                 RoundInfo(
                     stage=self.stage,
                     round=r,
@@ -231,3 +272,5 @@ class _Segment:
                     client_ids=plan.clients,
                 )
             )
+        history.extend(new)
+        return new

@@ -40,8 +40,13 @@ def _engine(k=10, dtype=torch.float32, seed=0, batch=4, lr=0.1, fraction=1.0, ve
     )
 
 
-def _watched(info, state):  # a hook that changes nothing: the general path
-    return None
+def _general(eng, *args, **kw):
+    """``train_groups`` on the general path."""
+    eng.lean_rounds = False
+    try:
+        return eng.train_groups(*args, **kw)
+    finally:
+        eng.lean_rounds = True
 
 
 def _bits(t):
@@ -81,9 +86,41 @@ def test_lean_rounds_equal_the_general_path(split, rounds, dtype, seed, batch):
         for k, v in init.items()
     }
     lean = eng.train_groups(init, groups, stage=2)
-    general = eng.train_groups(init, groups, stage=2, on_round_end=_watched)
+    general = _general(eng, init, groups, stage=2)
     _same(lean, general)
     assert all(v.is_contiguous() for v in lean.params.values())
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    split=st.lists(st.integers(0, 2), min_size=10, max_size=10),
+    rounds=st.lists(st.integers(1, 4), min_size=3, max_size=3),
+    stops=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 2)), max_size=3),
+    seed=st.integers(0, 50),
+)
+def test_watched_lean_rounds_equal_the_general_path(split, rounds, stops, seed):
+    """A hook sees the same records and models each round, and stops the same groups early."""
+    eng = _engine(seed=seed)
+    groups = [Group(g, tuple(c for c, s in enumerate(split) if s == g), rounds[g]) for g in range(3)]
+    init = stack_params([eng.module_params()] * len(groups))
+    seen = {True: [], False: []}
+
+    def hook_for(lean):
+        def hook(info, state):
+            seen[lean].append(
+                (info.round, info.active, info.mean_loss, {k: v.clone() for k, v in state.items()})
+            )
+            return [any(r == info.round and g == i for r, g in stops) for i in range(len(groups))]
+
+        return hook
+
+    lean = eng.train_groups(init, groups, stage=1, on_round_end=hook_for(True))
+    general = _general(eng, init, groups, stage=1, on_round_end=hook_for(False))
+    _same(lean, general)
+    assert len(seen[True]) == len(seen[False])
+    for (r, a, loss, st_), (r2, a2, loss2, st2) in zip(seen[True], seen[False]):
+        assert (r, a, loss) == (r2, a2, loss2)
+        assert all(torch.equal(_bits(st_[k]), _bits(st2[k])) for k in st_)
 
 
 def test_lean_path_is_taken_only_where_it_applies():
@@ -101,13 +138,14 @@ def test_lean_path_is_taken_only_where_it_applies():
 def test_lean_path_reports_a_non_finite_loss_like_the_general_path():
     groups = [Group(0, tuple(range(5)), 3), Group(1, tuple(range(5, 10)), 3)]
     errors = []
-    for hook in (None, _watched):
+    for lean, hook in ((True, None), (True, lambda info, state: None), (False, None)):
         eng = _engine(lr=1e30)
+        eng.lean_rounds = lean
         init = stack_params([eng.module_params()] * 2)
         with pytest.raises(NonFiniteLossError) as err:
             eng.train_groups(init, groups, stage=1, on_round_end=hook)
         errors.append(str(err.value))
-    assert errors[0] == errors[1] and "stage 1" in errors[0]
+    assert errors[0] == errors[1] == errors[2] and "stage 1" in errors[0]
 
 
 def test_lean_path_equals_the_per_client_loop():
