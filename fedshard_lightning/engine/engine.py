@@ -239,6 +239,21 @@ class FederatedEngine:
             self._block = (key, None if free else 64 if self._cuda else 8)
         return self._block[1]
 
+    def _probe_first_round(self, init: dict[str, Tensor], groups: Sequence[Group], stage: int) -> None:
+        """``vectorize: auto``: decide the path on round 0's first chunk, before choosing the lean path.
+
+        The same models and clients the general path's first round would time (:meth:`_run_local`).
+        """
+        active = [i for i, g in enumerate(groups) if g.rounds > 0 and g.clients]
+        if not active:
+            return
+        parts = [self.participants(stage, groups[i], 0) for i in active]
+        first = next(iter(init.values()))
+        plan = RoundPlan.build(active, parts, len(groups), self.sizes, self.chunk, first.dtype, first.device)
+        ch = plan.chunks[0]
+        start = {k: v.index_select(0, ch.owners_t) for k, v in init.items()}
+        self._mode = self._probe(start, ClientBatch(ch.clients, [groups[i].key for i in ch.owners], stage, 0))
+
     def _probe(self, start: dict[str, Tensor], batch: ClientBatch) -> str:
         """``vectorize: auto``: time both paths on this model (:func:`.path_choice.choose_path`)."""
         mode, self.mode_reason = choose_path(self.local, start, batch)
@@ -276,6 +291,8 @@ class FederatedEngine:
                 rounds actually run are reported in ``rounds_run``).
             keep_client_params: Put the participants' final and start parameters in the record.
         """
+        if self._mode is None and self.lean_rounds and not keep_client_params:
+            self._probe_first_round(init, groups, stage)  # as the general path's first round would
         if self.lean_rounds and not keep_client_params and lean_eligible(self, groups):
             return run_lean(self, init, groups, stage, on_round_end)  # the same results, leaner
         t0 = time.perf_counter()
