@@ -41,6 +41,10 @@ from fedshard_lightning.unlearning import FedAvg, FedShard
 PARTS = [
     ("fit (timed span)", "fedshard_lightning/loop.py", "run_fit"),
     ("engine.train_groups", "engine/engine.py", "train_groups"),
+    ("  lean rounds (run_lean)", "engine/lean_rounds.py", "run_lean"),
+    ("    lean segment setup", "engine/lean_rounds.py", "__init__"),
+    ("    lean averaging", "engine/lean_rounds.py", "_average"),
+    ("    lean records", "engine/lean_rounds.py", "_record"),
     ("  local training (stacked)", "engine/local.py", "train_stacked"),
     ("  local training (loop)", "engine/local.py", "train_loop"),
     ("  auto probe (choose_path)", "engine/path_choice.py", "choose_path"),
