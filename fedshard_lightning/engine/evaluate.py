@@ -72,19 +72,25 @@ class Evaluator:
         self._live: dict[str, Tensor] = {}
         self._targets: tuple[tuple[str, ...], list[Tensor], list[Tensor]] | None = None
 
+    def prepare(self) -> None:
+        """Make the module's eval-mode copy now (else on the first call); a no-op once made or refused."""
+        if self._copy is not None or not self._copyable:
+            return
+        try:
+            self._copy = copy.deepcopy(self.module).eval()
+        except (TypeError, copy.Error, RuntimeError, AttributeError):  # "cannot pickle '_thread.lock'"
+            self._copyable = False
+            return
+        self._own = {**dict(self._copy.named_parameters()), **dict(self._copy.named_buffers())}
+        self._live = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
+
     @torch.no_grad()
     def __call__(self, params: dict[str, Tensor], x: Tensor, y: Tensor) -> tuple[float, float]:
         """Accuracy and mean cross-entropy of the model with ``params``."""
+        if self._copy is None:
+            self.prepare()
         if not self._copyable:
             return evaluate(self.module, params, x, y)
-        if self._copy is None:
-            try:
-                self._copy = copy.deepcopy(self.module).eval()
-            except (TypeError, copy.Error, RuntimeError, AttributeError):  # "cannot pickle '_thread.lock'"
-                self._copyable = False
-                return evaluate(self.module, params, x, y)
-            self._own = {**dict(self._copy.named_parameters()), **dict(self._copy.named_buffers())}
-            self._live = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
         keys = tuple(params)
         if self._targets is None or self._targets[0] != keys:  # the same names every round
             rest = [k for k in self._own if k not in params]

@@ -91,3 +91,27 @@ def test_a_module_that_cannot_be_copied_is_evaluated_in_place():
     ev = Evaluator(net)
     assert ev(params, x, y) == evaluate(net, params, x, y)
     assert ev(params, x, y) == evaluate(net, params, x, y) and net.training
+
+
+def test_prepared_evaluator_equals_a_lazy_one():
+    """``prepare`` makes the copy ahead (the trainer's setup); the results are those of a lazy copy."""
+    import threading
+
+    gen = torch.Generator().manual_seed(2)
+    net = _BNDropNet().train()
+    x, y = torch.randn(30, 6, generator=gen), torch.randint(0, 3, (30,), generator=gen)
+    early, lazy = Evaluator(net), Evaluator(net)
+    early.prepare()
+    assert early._copy is not None and lazy._copy is None
+    copy_made = early._copy
+    early.prepare()  # once made, kept
+    assert early._copy is copy_made
+    for _ in range(2):
+        params = _params(net, gen)
+        assert early(params, x, y) == lazy(params, x, y) == _reference(net, params, x, y, 2048)
+    net.lock = threading.Lock()  # cannot be copied: prepare refuses quietly, calls evaluate in place
+    refused = Evaluator(net)
+    refused.prepare()
+    assert refused._copy is None and not refused._copyable
+    params = _params(net, gen)
+    assert refused(params, x, y) == evaluate(net, params, x, y)
