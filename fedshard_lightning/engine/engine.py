@@ -21,16 +21,23 @@ from torch import Tensor, nn
 
 from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.engine.aggregate import GroupSums, SumLayout
-from fedshard_lightning.engine.groups import Group, RoundInfo, TrainResult, stack_params, unstack_params
+from fedshard_lightning.engine.groups import (
+    Group,
+    RoundInfo,
+    TrainResult,
+    check_finite,
+    stack_params,
+    unstack_params,
+)
 from fedshard_lightning.engine.lean_rounds import lean_eligible, run_lean
 from fedshard_lightning.engine.local import ClientBatch, Kernel, LocalResult, LocalTrainer, RandomInStep
 from fedshard_lightning.engine.local_layers import LocalLayers
 from fedshard_lightning.engine.optim import OptimizerSpec, optimizer_spec
 from fedshard_lightning.engine.participants import KeyedSampling, ParticipantPolicy
-from fedshard_lightning.engine.path_choice import choose_path
+from fedshard_lightning.engine.path_choice import choose_path, first_round_sample
 from fedshard_lightning.engine.round_plan import Chunk, RoundPlan
 from fedshard_lightning.engine.schedule import LocalSchedule
-from fedshard_lightning.errors import ConfigError, ContractError, NonFiniteLossError
+from fedshard_lightning.errors import ConfigError, ContractError
 from fedshard_lightning.module import client_buffer_names
 
 __all__ = [
@@ -239,21 +246,6 @@ class FederatedEngine:
             self._block = (key, None if free else 64 if self._cuda else 8)
         return self._block[1]
 
-    def _probe_first_round(self, init: dict[str, Tensor], groups: Sequence[Group], stage: int) -> None:
-        """``vectorize: auto``: decide the path on round 0's first chunk, before choosing the lean path.
-
-        The same models and clients the general path's first round would time (:meth:`_run_local`).
-        """
-        active = [i for i, g in enumerate(groups) if g.rounds > 0 and g.clients]
-        if not active:
-            return
-        parts = [self.participants(stage, groups[i], 0) for i in active]
-        first = next(iter(init.values()))
-        plan = RoundPlan.build(active, parts, len(groups), self.sizes, self.chunk, first.dtype, first.device)
-        ch = plan.chunks[0]
-        start = {k: v.index_select(0, ch.owners_t) for k, v in init.items()}
-        self._mode = self._probe(start, ClientBatch(ch.clients, [groups[i].key for i in ch.owners], stage, 0))
-
     def _probe(self, start: dict[str, Tensor], batch: ClientBatch) -> str:
         """``vectorize: auto``: time both paths on this model (:func:`.path_choice.choose_path`)."""
         mode, self.mode_reason = choose_path(self.local, start, batch)
@@ -292,7 +284,9 @@ class FederatedEngine:
             keep_client_params: Put the participants' final and start parameters in the record.
         """
         if self._mode is None and self.lean_rounds and not keep_client_params:
-            self._probe_first_round(init, groups, stage)  # as the general path's first round would
+            sample = first_round_sample(init, groups, stage, self.participants, self.sizes, self.chunk)
+            if sample is not None:  # the models and clients the general path's first round would time
+                self._mode = self._probe(*sample)
         if self.lean_rounds and not keep_client_params and lean_eligible(self, groups):
             return run_lean(self, init, groups, stage, on_round_end)  # the same results, leaner
         t0 = time.perf_counter()
@@ -342,7 +336,7 @@ class FederatedEngine:
                         "sample, or nn.GroupNorm"
                     ) from None
                 losses = res.loss_sum.detach().cpu().double()  # one host copy: the check and the sums
-                self.check_finite(losses.numpy(), cl, ow, groups, stage, r)
+                check_finite(losses.numpy(), cl, ow, groups, stage, r)
                 local.keep(res.params, cl)
                 sums.add(res.params, ch.samples, ow, ch.meta)
                 loss_sum.index_add_(0, ch.owners_cpu, losses)
@@ -400,17 +394,3 @@ class FederatedEngine:
         steps = torch.as_tensor(np.maximum(res.steps, 1), dtype=torch.float64)
         for k, v in res.logs.items():
             logged[k] = logged.get(k, 0.0) + float((n * v.detach().cpu().double() / steps).sum())
-
-    @staticmethod
-    def check_finite(
-        losses: np.ndarray, clients: list[int], owner: list[int], groups: Sequence[Group], stage: int, r: int
-    ) -> None:
-        """Raise :class:`NonFiniteLossError` naming the first client of round ``r`` whose loss is not finite."""
-        finite = np.isfinite(losses)
-        if finite.all():
-            return
-        j = int(np.flatnonzero(~finite)[0])
-        raise NonFiniteLossError(
-            f"non-finite training loss at stage {stage}, shard {groups[owner[j]].key}, round {r}, client {clients[j]}; "
-            "lower model.lr or check the client's data"
-        )

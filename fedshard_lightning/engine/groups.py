@@ -5,8 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
+
+from fedshard_lightning.errors import NonFiniteLossError
 
 __all__ = ["Group", "RoundInfo", "TrainResult", "stack_params", "unstack_params"]
 
@@ -63,3 +66,17 @@ def stack_params(models: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
 def unstack_params(params: dict[str, Tensor], i: int) -> dict[str, Tensor]:
     """Row ``i`` of stacked parameters, as a state dict."""
     return {k: v[i] for k, v in params.items()}
+
+
+def check_finite(
+    losses: np.ndarray, clients: list[int], owner: list[int], groups: Sequence[Group], stage: int, r: int
+) -> None:
+    """Raise :class:`NonFiniteLossError` naming the first client of round ``r`` whose loss is not finite."""
+    finite = np.isfinite(losses)
+    if finite.all():
+        return
+    j = int(np.flatnonzero(~finite)[0])
+    raise NonFiniteLossError(
+        f"non-finite training loss at stage {stage}, shard {groups[owner[j]].key}, round {r}, client {clients[j]}; "
+        "lower model.lr or check the client's data"
+    )

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from fedshard_lightning.engine.aggregate import SumLayout, cached_block_plan, reduce_rows
-from fedshard_lightning.engine.groups import Group, RoundInfo, TrainResult
+from fedshard_lightning.engine.groups import Group, RoundInfo, TrainResult, check_finite
 from fedshard_lightning.engine.optim import fused_sgd_lr
 from fedshard_lightning.engine.round_plan import RoundPlan
 
@@ -242,14 +242,12 @@ class _Segment:
         self, losses: Tensor, rounds: range, times: list[float], history: list[RoundInfo]
     ) -> list[RoundInfo]:
         """Check the losses and add the rounds' records (as the general path makes them); the new records."""
-        engine, plan = self.engine, self.plan
+        plan = self.plan
         host = losses.detach().cpu().double()
         finite = torch.isfinite(host)
         if not bool(finite.all()):
             j = int((~finite).any(1).nonzero()[0])
-            engine.check_finite(
-                host[j].numpy(), self.clients, self.owners, self.groups, self.stage, rounds[j]
-            )
+            check_finite(host[j].numpy(), self.clients, self.owners, self.groups, self.stage, rounds[j])
         g_count = len(self.groups)
         sums = torch.zeros((len(rounds), g_count), dtype=torch.float64)
         sums.index_add_(1, torch.as_tensor(self.owners), host)

@@ -20,17 +20,21 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from fedshard_lightning.engine.client_loop import ClientBatch
+from fedshard_lightning.engine.groups import Group
 from fedshard_lightning.engine.local import LocalTrainer
+from fedshard_lightning.engine.round_plan import RoundPlan
 from fedshard_lightning.engine.schedule import LocalSchedule
 from fedshard_lightning.engine.step_context import RandomInStep
 
-__all__ = ["choose_path", "decided_paths", "path_signature", "time_paths"]
+__all__ = ["choose_path", "decided_paths", "first_round_sample", "path_signature", "time_paths"]
 
 # Decisions of this process: signature -> (path, reason).
 _DECIDED: dict[str, tuple[str, str]] = {}
@@ -89,6 +93,30 @@ def _persist(path: Path, key: str, signature: str, mode: str, reason: str) -> No
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
         os.replace(tmp, path)
+
+
+def first_round_sample(
+    init: dict[str, Tensor],
+    groups: Sequence[Group],
+    stage: int,
+    participants: Callable[[int, Group, int], list[int]],
+    sizes: np.ndarray,
+    chunk: int,
+) -> tuple[dict[str, Tensor], ClientBatch] | None:
+    """Round 0's first chunk of a call: the start models and clients its first round would time.
+
+    ``vectorize: auto`` decides on them before the engine picks its lean or general path (the
+    general path used to decide inside its first round, on the same models and clients).
+    """
+    active = [i for i, g in enumerate(groups) if g.rounds > 0 and g.clients]
+    if not active:
+        return None
+    parts = [participants(stage, groups[i], 0) for i in active]
+    first = next(iter(init.values()))
+    plan = RoundPlan.build(active, parts, len(groups), sizes, chunk, first.dtype, first.device)
+    ch = plan.chunks[0]
+    start = {k: v.index_select(0, ch.owners_t) for k, v in init.items()}
+    return start, ClientBatch(ch.clients, [groups[i].key for i in ch.owners], stage, 0)
 
 
 def choose_path(local: LocalTrainer, start: dict[str, Tensor], batch: ClientBatch) -> tuple[str, str]:

@@ -159,3 +159,29 @@ def test_lean_path_equals_the_per_client_loop():
     for k in out[0].params:
         torch.testing.assert_close(out[0].params[k], out[1].params[k], rtol=1e-10, atol=1e-12)
     assert out[0].client_steps == out[1].client_steps
+
+
+def test_auto_decides_on_the_chunk_the_general_path_would_time(monkeypatch):
+    """``vectorize: auto``: the probe sees round 0's first chunk on both paths; the results are equal."""
+    from fedshard_lightning.engine import engine as engine_module
+
+    seen = []
+
+    def record(local, start, batch):
+        seen.append(({k: v.clone() for k, v in start.items()}, batch))
+        return "stacked", "recorded"
+
+    monkeypatch.setattr(engine_module, "choose_path", record)
+    groups = [Group(0, (), 2), Group(1, tuple(range(3, 9)), 2), Group(2, (0, 1, 2), 1)]
+    out = []
+    for lean in (True, False):
+        eng = _engine(vectorize="auto")
+        eng.lean_rounds = lean
+        init = stack_params([eng.module_params()] * 3)
+        init = {k: v + 0.01 * torch.arange(3, dtype=v.dtype).view(-1, *[1] * (v.ndim - 1)) for k, v in init.items()}
+        out.append(eng.train_groups(init, groups, stage=1))
+        assert eng.mode == "stacked"
+    (a, batch_a), (b, batch_b) = seen
+    assert batch_a == batch_b and batch_a.clients == [3, 4, 5, 6, 7, 8, 0, 1, 2] and batch_a.round == 0
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    _same(out[0], out[1])
