@@ -283,12 +283,13 @@ class FederatedEngine:
                 rounds actually run are reported in ``rounds_run``).
             keep_client_params: Put the participants' final and start parameters in the record.
         """
-        if self._mode is None and self.lean_rounds and not keep_client_params:
-            sample = first_round_sample(init, groups, stage, self.participants, self.sizes, self.chunk)
-            if sample is not None:  # the models and clients the general path's first round would time
-                self._mode = self._probe(*sample)
-        if self.lean_rounds and not keep_client_params and lean_eligible(self, groups):
-            return run_lean(self, init, groups, stage, on_round_end)  # the same results, leaner
+        if self.lean_rounds and not keep_client_params:
+            if self._mode is None:  # auto: decide on what the general path's first round would time
+                sample = first_round_sample(init, groups, stage, self.participants, self.sizes, self.chunk)
+                if sample is not None:
+                    self._mode = self._probe(*sample)
+            if lean_eligible(self, groups):
+                return run_lean(self, init, groups, stage, on_round_end)  # the same results, leaner
         t0 = time.perf_counter()
         state = {k: v.clone() for k, v in init.items()}
         G = len(groups)

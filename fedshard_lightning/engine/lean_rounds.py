@@ -5,14 +5,15 @@ is a few dozen small kernels. There the engine's per-round bookkeeping (plans, l
 allocations, a host check and a dozen dict operations) cost about as much as the training itself,
 so the wall-clock gain of retraining few clients fell far short of its gain in client-steps.
 
-:func:`run_lean` runs a call of :meth:`.FederatedEngine.train_groups` whose rounds nobody watches
-(no ``on_round_end``, no client parameters kept) when every round of a segment has the same
-participants (full participation) in one chunk, and the local step is the hand-written chain with
-plain SGD fused into its backward. Per segment of rounds with the same active groups it makes once
-what the general path remakes every round: the batch plans of all its rounds (one vectorized
-call), the step layout, the index tensors, the parameter and sum buffers and the block plan of the
-sums. A round is then the chain steps, one weighted sum and one row copy per dtype. The operators
-and their operands are those of the general path, so the results are the same bits
+:func:`run_lean` runs a call of :meth:`.FederatedEngine.train_groups` that keeps no client
+parameters, when every round of a segment has the same participants (full participation) in one
+chunk and the local step is the hand-written chain with plain SGD fused into its backward. Per
+segment of rounds with the same active groups it makes once what the general path remakes every
+round: the batch plans of all its rounds (one vectorized call), the step layout, the index
+tensors, the parameter and sum buffers and the block plan of the sums. A round is then the chain
+steps, one weighted sum and one row copy per dtype. Unwatched rounds (no ``on_round_end``) check
+their losses once per window; watched ones get their record and hook after every round. The
+operators and their operands are those of the general path, so the results are the same bits
 (``tests/engine/test_lean_rounds.py`` compares every result of both paths).
 """
 
@@ -43,7 +44,7 @@ _WHOLE_ROUND_BYTES = 16 << 20
 
 
 def lean_eligible(engine: FederatedEngine, groups: Sequence[Group]) -> bool:
-    """Whether :func:`run_lean` can run these groups (the caller has checked that nobody watches rounds)."""
+    """Whether :func:`run_lean` can run these groups (the caller keeps no client parameters)."""
     local = engine.local
     if engine.mode != "stacked" or engine.local_names or engine.buffer_names or not engine.samples_everyone:
         return False
@@ -150,6 +151,9 @@ class _Segment:
         self.steps_of = {i: 0 for i in active}
         for o, s in zip(self.owners, steps.tolist()):
             self.steps_of[o] += int(s)
+        self.group_steps = np.zeros(len(groups), dtype=np.int64)  # per group, for the records
+        for i, s in self.steps_of.items():
+            self.group_steps[i] = s
         slots = int(steps.max(initial=0)) * m * local.schedule.batch_size
         self.window = max(1, local.plans.budget // max(slots, 1))  # rounds planned together
         self.leaves = {k: state[k].new_empty((m, *layout.shapes[k])) for k in engine.names}
@@ -159,7 +163,6 @@ class _Segment:
         self.wcol = {x.dtype: chunk.samples.to(x.dtype).unsqueeze(1) for x in self.xbuf}
         self.avg_w = {x.dtype: self.plan.active_weight.to(x).unsqueeze(1) for x in self.xbuf}
         self.rows = chunk.owners_t
-        self.lay = None
 
     def run(
         self,
@@ -178,7 +181,9 @@ class _Segment:
         local, m = self.engine.local, self.m
         planned = local.plans.plan(self.clients, self.keys, self.stage, rounds)
         _, gsz, steps = planned[0]
-        lay = self.lay = local.layouts(gsz, steps, flats[0].device, True)
+        if any(not (np.array_equal(p[1], gsz) and np.array_equal(p[2], steps)) for p in planned[1:]):
+            raise RuntimeError("batch sizes changed between rounds of the same participants")
+        lay = local.layouts(gsz, steps, flats[0].device, True)
         order = None if lay.in_order else lay.order
         gidx_all = torch.as_tensor(
             np.stack([(p[0] if order is None else p[0][order]).transpose(1, 0, 2) for p in planned]),
@@ -193,8 +198,6 @@ class _Segment:
         times = []
         for j in range(len(rounds)):
             tr = time.perf_counter()
-            if not (np.array_equal(planned[j][1], gsz) and np.array_equal(planned[j][2], steps)):
-                raise RuntimeError("batch sizes changed between rounds of the same participants")
             for k, leaf in self.leaves.items():
                 torch.index_select(state[k], 0, pick, out=leaf)
             if whole:  # the round's batches in one gather
@@ -251,9 +254,7 @@ class _Segment:
         g_count = len(self.groups)
         sums = torch.zeros((len(rounds), g_count), dtype=torch.float64)
         sums.index_add_(1, torch.as_tensor(self.owners), host)
-        steps = np.zeros(g_count, dtype=np.int64)
-        for i, s in self.steps_of.items():
-            steps[i] = s
+        steps = self.group_steps
         total = int(steps.sum())
         means = (sums.numpy()[:, plan.active] / np.maximum(steps[plan.active], 1)).tolist()
         new = []

@@ -211,7 +211,7 @@ class Algorithm(RecordsInitArgs):
                 events.round_end(info, state, groups)
             return on_round_end(info, state) if on_round_end is not None else None
 
-        watched = report or on_round_end is not None  # unwatched rounds take the engine's lean path
+        watched = report or on_round_end is not None  # unwatched rounds: no per-round record or hook
         res = self.engine.train_groups(init, groups, stage, hook if watched else None, keep_client_params)
         events.groups_trained(stage, groups, res.client_steps)
         return res
