@@ -1,13 +1,13 @@
-"""The engine's lean path for unwatched rounds against its general path: every result, bit for bit."""
+"""The engine's lean path (watched and unwatched rounds) against its general path: every result, bit for bit."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from _tiny import tiny_data
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fedshard_lightning.data import SyntheticDataModule
 from fedshard_lightning.engine import FederatedEngine, Group, LocalSchedule, stack_params
 from fedshard_lightning.engine.lean_rounds import lean_eligible
 from fedshard_lightning.errors import NonFiniteLossError
@@ -15,17 +15,7 @@ from fedshard_lightning.models import MLP
 
 
 def _engine(k=10, dtype=torch.float32, seed=0, batch=4, lr=0.1, fraction=1.0, vectorize="always", **kw):
-    dm = SyntheticDataModule(
-        num_clients=k,
-        partition="dirichlet",
-        rho=0.5,
-        min_client_size=3,
-        num_samples=160,
-        num_test=20,
-        shape=(6,),
-        num_classes_=3,
-        seed=seed,
-    )
+    dm = tiny_data(shape=(6,), k=k, per_client=16, classes=3, min_client_size=3, seed=seed)
     dm.setup()
     torch.manual_seed(seed)
     m = MLP(hidden=(8, 5), lr=lr, **kw)
@@ -178,7 +168,10 @@ def test_auto_decides_on_the_chunk_the_general_path_would_time(monkeypatch):
         eng = _engine(vectorize="auto")
         eng.lean_rounds = lean
         init = stack_params([eng.module_params()] * 3)
-        init = {k: v + 0.01 * torch.arange(3, dtype=v.dtype).view(-1, *[1] * (v.ndim - 1)) for k, v in init.items()}
+        init = {
+            k: v + 0.01 * torch.arange(3, dtype=v.dtype).view(-1, *[1] * (v.ndim - 1))
+            for k, v in init.items()
+        }
         out.append(eng.train_groups(init, groups, stage=1))
         assert eng.mode == "stacked"
     (a, batch_a), (b, batch_b) = seen
