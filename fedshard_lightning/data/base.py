@@ -194,7 +194,9 @@ class FederatedDataModule(RecordsInitArgs, L.LightningDataModule):
             cache[key] = (mean, std)
         return cache[key]
 
-    def gather(self, indices: Tensor, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+    def gather(
+        self, indices: Tensor, dtype: torch.dtype = torch.float32, out: tuple[Tensor, Tensor] | None = None
+    ) -> tuple[Tensor, Tensor]:
         """Training samples and labels at ``indices`` (any shape), normalised.
 
         The engine gathers every local step, so a training set whose normalised copy fits in
@@ -202,9 +204,23 @@ class FederatedDataModule(RecordsInitArgs, L.LightningDataModule):
         element-wise operators on the same values, hence the same bits, with one operator per
         step instead of three or four. A subclass that overrides :meth:`transform` (augmentation,
         say) is transformed per step as before.
+
+        Args:
+            indices: Global training-sample indices.
+            dtype: The samples' dtype.
+            out: Contiguous (samples, labels) buffers of the results' shapes to write into and
+                return, so that a caller that gathers every round can keep views of them.
         """
         own = self._normalised(dtype)
         flat = indices.reshape(-1)  # index_select: about half the time of advanced indexing
+        if out is not None:
+            x_out, y_out = out
+            torch.index_select(self.train_y, 0, flat, out=y_out.view(-1))
+            if own is not None:
+                torch.index_select(own, 0, flat, out=x_out.view(-1, *own.shape[1:]))
+            else:
+                x_out.copy_(self.gather(indices, dtype)[0])
+            return x_out, y_out
         y = self.train_y.index_select(0, flat).view(indices.shape)
         if own is not None:
             return own.index_select(0, flat).view(*indices.shape, *own.shape[1:]), y

@@ -22,6 +22,7 @@ from torch import Tensor
 
 __all__ = [
     "BLOCK",
+    "BlockPlan",
     "GroupSums",
     "SumLayout",
     "block_plan",
@@ -105,7 +106,7 @@ class GroupSums:
         self,
         like: dict[str, Tensor],
         participants: Sequence[int],
-        plans: dict[tuple, _Plan] | None = None,
+        plans: dict[tuple, BlockPlan] | None = None,
         layout: SumLayout | None = None,
     ) -> None:
         self.count = [int(c) for c in participants]
@@ -188,7 +189,7 @@ class GroupSums:
         g, block, slot = meta[-1]
         return slot + 1 < min(BLOCK, self.count[g] - block * BLOCK)
 
-    def _plan(self, meta: list[tuple[int, int, int]], device: torch.device) -> _Plan:
+    def _plan(self, meta: list[tuple[int, int, int]], device: torch.device) -> BlockPlan:
         return cached_block_plan(self._plans, meta, device)
 
     def _add_by_columns(self, params: dict[str, Tensor], w: Tensor, meta: list[tuple[int, int, int]]) -> None:
@@ -250,7 +251,7 @@ class GroupSums:
         return out
 
 
-def reduce_rows(x: Tensor, plan: _Plan, target: Tensor) -> None:
+def reduce_rows(x: Tensor, plan: BlockPlan, target: Tensor) -> None:
     """Sum the weighted rows ``x`` [rows, D] by ``plan`` into ``target`` [groups, D] (in place)."""
     n_keys, plans, scatter = plan
     sums = x.new_empty((n_keys, x.shape[1]))
@@ -266,12 +267,14 @@ def reduce_rows(x: Tensor, plan: _Plan, target: Tensor) -> None:
 
 
 # (blocks, [(rows per block, block ids, block count, row pick)], [(groups, block pick)] per rank)
-_Plan = tuple[int, list[tuple[int, Tensor | None, int, Tensor | None]], list[tuple[Tensor, Tensor | None]]]
+BlockPlan = tuple[
+    int, list[tuple[int, Tensor | None, int, Tensor | None]], list[tuple[Tensor, Tensor | None]]
+]
 
 
 def cached_block_plan(
-    plans: dict[tuple, _Plan], meta: Sequence[tuple[int, int, int]], device: torch.device
-) -> _Plan:
+    plans: dict[tuple, BlockPlan], meta: Sequence[tuple[int, int, int]], device: torch.device
+) -> BlockPlan:
     """:func:`block_plan` of ``meta``, kept in ``plans`` (at most 1024 layouts, then afresh)."""
     key = tuple(meta)
     plan = plans.get(key)
@@ -282,7 +285,7 @@ def cached_block_plan(
     return plan
 
 
-def block_plan(meta: Sequence[tuple[int, int, int]], dev: torch.device) -> _Plan:
+def block_plan(meta: Sequence[tuple[int, int, int]], dev: torch.device) -> BlockPlan:
     """How :meth:`GroupSums.add` sums rows ``meta`` = (group, block, slot): a function of ``meta`` alone.
 
     Rows of a block are contiguous (participant order). Blocks of equal length are summed

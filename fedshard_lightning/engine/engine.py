@@ -21,10 +21,12 @@ from torch import Tensor, nn
 
 from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.engine.aggregate import GroupSums, SumLayout
+from fedshard_lightning.engine.fixed_blocks import train_in_blocks
 from fedshard_lightning.engine.groups import (
     Group,
     RoundInfo,
     TrainResult,
+    add_logged,
     check_finite,
     stack_params,
     unstack_params,
@@ -35,8 +37,9 @@ from fedshard_lightning.engine.local_layers import LocalLayers
 from fedshard_lightning.engine.optim import OptimizerSpec, optimizer_spec
 from fedshard_lightning.engine.participants import KeyedSampling, ParticipantPolicy
 from fedshard_lightning.engine.path_choice import choose_path, first_round_sample
-from fedshard_lightning.engine.round_plan import Chunk, RoundPlan
+from fedshard_lightning.engine.round_plan import RoundPlan
 from fedshard_lightning.engine.schedule import LocalSchedule
+from fedshard_lightning.engine.stages import train_stages
 from fedshard_lightning.errors import ConfigError, ContractError
 from fedshard_lightning.module import client_buffer_names
 
@@ -205,26 +208,7 @@ class FederatedEngine:
         q = self.invariant_block()
         if q is None:
             return self.local.train_stacked(state, batch, rows)
-        parts = []
-        for lo in range(0, len(batch.clients), q):
-            cl, gr, rw = batch.clients[lo : lo + q], batch.groups[lo : lo + q], rows[lo : lo + q]
-            real = len(cl)
-            if real < q:  # inert copies of the last client keep the shape; their results are dropped
-                pad = q - real
-                cl, gr = cl + [cl[-1]] * pad, gr + [gr[-1]] * pad
-                rw = torch.cat([rw, rw[-1:].expand(pad)])
-            res = self.local.train_stacked(
-                state, ClientBatch(cl, gr, batch.stage, batch.round), rw, fixed=True
-            )
-            parts.append((res, real))
-        if len(parts) == 1 and parts[0][1] == q:
-            return parts[0][0]
-        return LocalResult(
-            {k: torch.cat([r.params[k][:n] for r, n in parts]) for k in parts[0][0].params},
-            np.concatenate([r.steps[:n] for r, n in parts]),
-            torch.cat([r.loss_sum[:n] for r, n in parts]),
-            {k: torch.cat([r.logs[k][:n] for r, n in parts]) for k in parts[0][0].logs},
-        )
+        return train_in_blocks(self.local, q, state, rows, batch)
 
     def invariant_block(self) -> int | None:
         """Clients per fixed-shape stacked call, or None where the stacked kernels need none.
@@ -264,6 +248,24 @@ class FederatedEngine:
         return self._mode
 
     # -- FedAvg over groups ----------------------------------------------------------------------
+    def decide(self, init: dict[str, Tensor], groups: Sequence[Group], stage: int) -> None:
+        """``vectorize: auto``: decide on what the general path's first round would time."""
+        if self._mode is None:
+            sample = first_round_sample(init, groups, stage, self.participants, self.sizes, self.chunk)
+            if sample is not None:
+                self._mode = self._probe(*sample)
+
+    def train_stages(
+        self,
+        jobs: Sequence[tuple[int, Sequence[Group]]],
+        init_of: Callable[[int, list[TrainResult]], dict[str, Tensor]],
+    ) -> list[TrainResult]:
+        """Unwatched :meth:`train_groups` calls of ``(stage, groups)`` jobs, job j from ``init_of(j, results)``.
+
+        An unlearning request's replay is such a sequence; see :func:`.stages.train_stages`.
+        """
+        return train_stages(self, jobs, init_of)
+
     def train_groups(
         self,
         init: dict[str, Tensor],
@@ -284,10 +286,7 @@ class FederatedEngine:
             keep_client_params: Put the participants' final and start parameters in the record.
         """
         if self.lean_rounds and not keep_client_params:
-            if self._mode is None:  # auto: decide on what the general path's first round would time
-                sample = first_round_sample(init, groups, stage, self.participants, self.sizes, self.chunk)
-                if sample is not None:
-                    self._mode = self._probe(*sample)
+            self.decide(init, groups, stage)
             if lean_eligible(self, groups):
                 return run_lean(self, init, groups, stage, on_round_end)  # the same results, leaner
         t0 = time.perf_counter()
@@ -342,7 +341,7 @@ class FederatedEngine:
                 sums.add(res.params, ch.samples, ow, ch.meta)
                 loss_sum.index_add_(0, ch.owners_cpu, losses)
                 step_count += np.bincount(ow, weights=res.steps, minlength=G).astype(np.int64)  # exact
-                self._add_logged(logged, res, ch)
+                add_logged(logged, res, ch)
                 if keep_client_params:
                     kept.append(res)
             before = {k: v.clone() for k, v in state.items()} if keep_client_params else None
@@ -382,16 +381,3 @@ class FederatedEngine:
             seconds=time.perf_counter() - t0,
             history=history,
         )
-
-    def _add_logged(self, logged: dict[str, float], res: LocalResult, chunk: Chunk) -> None:
-        """Add the sample-weighted per-client means of the values the training step logged.
-
-        A client's value in a round is the mean over its local steps; the round's value is the
-        FedAvg-weighted mean over the participants (divided by their total samples at the end).
-        """
-        if not res.logs:
-            return
-        n = chunk.samples_f64
-        steps = torch.as_tensor(np.maximum(res.steps, 1), dtype=torch.float64)
-        for k, v in res.logs.items():
-            logged[k] = logged.get(k, 0.0) + float((n * v.detach().cpu().double() / steps).sum())

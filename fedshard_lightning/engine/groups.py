@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -11,7 +12,19 @@ from torch import Tensor
 
 from fedshard_lightning.errors import NonFiniteLossError
 
-__all__ = ["Group", "RoundInfo", "TrainResult", "stack_params", "unstack_params"]
+if TYPE_CHECKING:
+    from fedshard_lightning.engine.local import LocalResult
+    from fedshard_lightning.engine.round_plan import Chunk
+
+__all__ = [
+    "Group",
+    "RoundInfo",
+    "TrainResult",
+    "add_logged",
+    "check_finite",
+    "stack_params",
+    "unstack_params",
+]
 
 
 @dataclass(frozen=True)
@@ -80,3 +93,17 @@ def check_finite(
         f"non-finite training loss at stage {stage}, shard {groups[owner[j]].key}, round {r}, client {clients[j]}; "
         "lower model.lr or check the client's data"
     )
+
+
+def add_logged(logged: dict[str, float], res: LocalResult, chunk: Chunk) -> None:
+    """Add the sample-weighted per-client means of the values the training step logged.
+
+    A client's value in a round is the mean over its local steps; the round's value is the
+    FedAvg-weighted mean over the participants (divided by their total samples at the end).
+    """
+    if not res.logs:
+        return
+    n = chunk.samples_f64
+    steps = torch.as_tensor(np.maximum(res.steps, 1), dtype=torch.float64)
+    for k, v in res.logs.items():
+        logged[k] = logged.get(k, 0.0) + float((n * v.detach().cpu().double() / steps).sum())

@@ -19,16 +19,19 @@ operators and their operands are those of the general path, so the results are t
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from fedshard_lightning.engine.aggregate import SumLayout, cached_block_plan, reduce_rows
+from fedshard_lightning.engine.aggregate import _ONE_PASS, SumLayout, cached_block_plan
 from fedshard_lightning.engine.groups import Group, RoundInfo, TrainResult, check_finite
+from fedshard_lightning.engine.lean_sums import InPlaceSums
 from fedshard_lightning.engine.optim import fused_sgd_lr
 from fedshard_lightning.engine.round_plan import RoundPlan
 
@@ -62,11 +65,15 @@ def run_lean(
     groups: Sequence[Group],
     stage: int,
     on_round_end: RoundHook | None = None,
+    deferred: list[Callable[[], object]] | None = None,
 ) -> TrainResult:
     """:meth:`.FederatedEngine.train_groups` of ``groups`` (see :func:`lean_eligible`), the same results.
 
     ``on_round_end`` is called after every round as the general path calls it (with the state as
     contiguous tensors); a group it stops ends the segment, and the next one trains without it.
+    Without one, the records of the rounds (and their check for non-finite losses) are appended
+    to ``deferred`` when given, to be made after the caller's later calls (:func:`.stages.finish`): host
+    work between training calls cools the caches the next call trains with.
     """
     t0 = time.perf_counter()
     layout = SumLayout.of(init)
@@ -87,7 +94,13 @@ def run_lean(
             segment = _Segment(engine, state, layout, groups, active, stage, r)
             while r < end:
                 ran = segment.run(
-                    flats, state, range(r, min(end, r + segment.window)), history, on_round_end, stopped
+                    flats,
+                    state,
+                    range(r, min(end, r + segment.window)),
+                    history,
+                    on_round_end,
+                    stopped,
+                    deferred,
                 )
                 for i in active:
                     rounds_run[i] += ran
@@ -124,7 +137,13 @@ def _flat_state(init: dict[str, Tensor], layout: SumLayout) -> tuple[list[Tensor
 
 
 class _Segment:
-    """Rounds ``start..`` with the same active groups: everything but the training made once."""
+    """Rounds ``start..`` with the same active groups: everything but the training made once.
+
+    The participants' models (the leaves) are views into one [m, D] matrix per dtype, laid out
+    like the sums, so a round starts with one row gather per dtype and its average reads that
+    matrix as it is; the round's batches go to fixed buffers whose per-step views, like those of
+    the sums' tree (:class:`.lean_sums.InPlaceSums`), are made with the first window.
+    """
 
     def __init__(
         self,
@@ -142,9 +161,9 @@ class _Segment:
         first = next(iter(state.values()))
         dev, dtype = first.device, first.dtype
         self.plan = RoundPlan.build(active, parts, len(groups), engine.sizes, engine.chunk, dtype, dev)
-        (chunk,) = self.plan.chunks
-        self.clients, self.owners = chunk.clients, chunk.owners
-        self.keys = [groups[i].key for i in chunk.owners]
+        (self.chunk,) = self.plan.chunks
+        self.clients, self.owners = self.chunk.clients, self.chunk.owners
+        self.keys = [groups[i].key for i in self.chunk.owners]
         m = self.m = len(self.clients)
         self.lr = fused_sgd_lr(local.spec)
         steps = local.schedule.plan_steps(engine.sizes[self.clients])
@@ -157,12 +176,14 @@ class _Segment:
         slots = int(steps.max(initial=0)) * m * local.schedule.batch_size
         self.window = max(1, local.plans.budget // max(slots, 1))  # rounds planned together
         self.leaves = {k: state[k].new_empty((m, *layout.shapes[k])) for k in engine.names}
-        self.xbuf = [first.new_empty((m, sum(layout.numel[k] for k in names))) for names in layout.kinds]
-        self.sums = [first.new_empty((len(groups), x.shape[1])) for x in self.xbuf]
-        self.block = cached_block_plan(engine.sum_plans, chunk.meta, dev)
-        self.wcol = {x.dtype: chunk.samples.to(x.dtype).unsqueeze(1) for x in self.xbuf}
-        self.avg_w = {x.dtype: self.plan.active_weight.to(x).unsqueeze(1) for x in self.xbuf}
-        self.rows = chunk.owners_t
+        # The sums read the participants' models as one [m, D] matrix per dtype, in participant order.
+        self.xbuf = [
+            state[names[0]].new_empty((m, sum(layout.numel[k] for k in names))) for names in layout.kinds
+        ]
+        self.sums = [x.new_empty((len(groups), x.shape[1])) for x in self.xbuf]
+        self.block = cached_block_plan(engine.sum_plans, self.chunk.meta, dev)
+        self.all_active = len(active) == len(groups)
+        self.views: _Views | None = None  # made by the first window (they follow from its layout)
 
     def run(
         self,
@@ -172,6 +193,7 @@ class _Segment:
         history: list[RoundInfo],
         hook: RoundHook | None,
         stopped: list[bool],
+        deferred: list[Callable[[], object]] | None = None,
     ) -> int:
         """Train ``rounds`` (consecutive, planned together), average each into ``state``; rounds run.
 
@@ -181,65 +203,88 @@ class _Segment:
         local, m = self.engine.local, self.m
         planned = local.plans.plan(self.clients, self.keys, self.stage, rounds)
         _, gsz, steps = planned[0]
-        if any(not (np.array_equal(p[1], gsz) and np.array_equal(p[2], steps)) for p in planned[1:]):
-            raise RuntimeError("batch sizes changed between rounds of the same participants")
-        lay = local.layouts(gsz, steps, flats[0].device, True)
-        order = None if lay.in_order else lay.order
+        v = self.views
+        for p in planned if v is None else planned[:1]:  # sizes follow from the clients' sample counts
+            if not (
+                np.array_equal(p[1], gsz if v is None else v.gsz)
+                and np.array_equal(p[2], steps if v is None else v.steps)
+            ):
+                raise RuntimeError("batch sizes changed between rounds of the same participants")
+        if v is None:
+            v = self.views = _Views(self, gsz, steps, flats[0].device)
+        lay = v.lay
         gidx_all = torch.as_tensor(
-            np.stack([(p[0] if order is None else p[0][order]).transpose(1, 0, 2) for p in planned]),
+            np.stack([(p[0] if lay.in_order else p[0][lay.order]).transpose(1, 0, 2) for p in planned]),
             device=flats[0].device,
         )  # [R, S, m, B] in step order
-        pick = self.rows if lay.in_order else self.rows.index_select(0, lay.order_t)
         losses = flats[0].new_zeros((len(rounds), m), dtype=local.dtype)  # step order
-        dm, chain, weight_all = local.dm, local.chain, lay.weight_all
-        inverse = None if lay.in_order else torch.argsort(lay.order_t)
-        sample = dm.train_x[0].numel() * torch.finfo(local.dtype).bits // 8
-        whole = gidx_all[0].numel() * sample <= _WHOLE_ROUND_BYTES
+        dm, chain, lr = local.dm, local.chain, self.lr
         times = []
         for j in range(len(rounds)):
             tr = time.perf_counter()
             for k, leaf in self.leaves.items():
-                torch.index_select(state[k], 0, pick, out=leaf)
-            if whole:  # the round's batches in one gather
-                x_all, y_all = dm.gather(gidx_all[j], local.dtype)
+                torch.index_select(state[k], 0, v.pick, out=leaf)
+            if v.batch is not None:  # the round's batches in one gather, into the steps' views
+                dm.gather(gidx_all[j], local.dtype, out=v.batch)
+            row = losses[j]
             for s, live in enumerate(lay.live):
-                if whole:
-                    x, y = x_all[s, :live], y_all[s, :live]
+                if v.batch is not None:
+                    x, y = v.xs[s], v.ys[s]
                 else:
                     x, y = dm.gather(gidx_all[j, s, :live], local.dtype)
-                named = self.leaves if live == m else {k: v[:live] for k, v in self.leaves.items()}
-                loss, _ = chain.step(named, x, y, weight_all[s, :live], self.lr)
-                losses[j, :live] += loss
-            self._average(flats, inverse)
+                loss, _ = chain.step(v.named[s], x, y, v.ws[s], lr)
+                (row if live == m else row[:live]).add_(loss)
+            self._average(flats, v)
             times.append(time.perf_counter() - tr)
             if hook is not None:
-                row = losses[j : j + 1] if inverse is None else losses[j : j + 1].index_select(1, inverse)
+                row = losses[j : j + 1] if v.inverse is None else losses[j : j + 1].index_select(1, v.inverse)
                 (info,) = self._record(row, rounds[j : j + 1], times[j:], history)
-                stop = hook(info, {k: v.contiguous() for k, v in state.items()})
+                stop = hook(info, {k: v_.contiguous() for k, v_ in state.items()})
                 if stop is not None:
                     for i, s_ in enumerate(stop):
                         stopped[i] = stopped[i] or bool(s_)
                     if any(stopped[i] for i in self.plan.active):
                         return j + 1
         if hook is None:
-            self._record(
-                losses if inverse is None else losses.index_select(1, inverse), rounds, times, history
-            )
+            ordered = losses if v.inverse is None else losses.index_select(1, v.inverse)
+            if deferred is None:
+                self._record(ordered, rounds, times, history)
+            else:
+                deferred.append(partial(_Segment._record, self.recorder(), ordered, rounds, times, history))
         return len(rounds)
 
-    def _average(self, flats: list[Tensor], inverse: Tensor | None) -> None:
+    def recorder(self) -> _Segment:
+        """A copy that :meth:`_record` can use later without keeping the segment's buffers alive."""
+        rec = object.__new__(_Segment)
+        for name in ("plan", "clients", "owners", "groups", "stage", "group_steps"):
+            setattr(rec, name, getattr(self, name))
+        return rec
+
+    def _average(self, flats: list[Tensor], v: _Views) -> None:
         """Sample-weighted FedAvg of the leaves into the state rows of the active groups (GroupSums' bits)."""
-        layout = self.layout
-        for names, x, sums, flat in zip(layout.kinds, self.xbuf, self.sums, flats):
-            torch.cat([self.leaves[k].reshape(self.m, -1) for k in names], 1, out=x)
-            if inverse is not None:  # participant order: the sums add rows in it
-                x.copy_(x.index_select(0, inverse))
-            x.mul_(self.wcol[x.dtype])
+        for names, x, sums, flat, tree, wcol, avg_w in zip(
+            self.layout.kinds, self.xbuf, self.sums, flats, v.trees, v.wcol, v.avg_w
+        ):
+            parts = [self.leaves[k].view(self.m, -1) for k in names]
+            if x.numel() < _ONE_PASS:  # few elements: two or three calls cost less than one per tensor
+                if v.inverse is None:
+                    torch.cat(parts, 1, out=x)
+                else:  # participant order: the sums add rows in it
+                    torch.index_select(torch.cat(parts, 1), 0, v.inverse, out=x)
+                x.mul_(wcol)
+            else:  # weighted rows written straight into the matrix: one pass over memory
+                if v.inverse is not None:
+                    parts = [t.index_select(0, v.inverse) for t in parts]
+                off = 0
+                for t in parts:
+                    torch.mul(t, wcol, out=x[:, off : off + t.shape[1]])
+                    off += t.shape[1]
             sums.zero_()
-            reduce_rows(x, self.block, sums)
-            flat.index_copy_(
-                0, self.plan.active_t, sums.index_select(0, self.plan.active_t) / self.avg_w[x.dtype]
-            )
+            tree.reduce(sums)
+            if self.all_active:
+                torch.div(sums, avg_w, out=flat)
+            else:
+                flat.index_copy_(0, self.plan.active_t, sums.index_select(0, self.plan.active_t) / avg_w)
 
     def _record(
         self, losses: Tensor, rounds: range, times: list[float], history: list[RoundInfo]
@@ -273,3 +318,37 @@ class _Segment:
             )
         history.extend(new)
         return new
+
+
+class _Views:
+    """What a segment's first window fixes: the step layout, the buffers and their views."""
+
+    def __init__(self, seg: _Segment, gsz: np.ndarray, steps: np.ndarray, dev: torch.device) -> None:
+        local, m = seg.engine.local, seg.m
+        self.gsz, self.steps = gsz, steps
+        lay = self.lay = local.layouts(gsz, steps, dev, True)
+        self.pick = seg.chunk.owners_t if lay.in_order else seg.chunk.owners_t.index_select(0, lay.order_t)
+        self.inverse = None if lay.in_order else torch.argsort(lay.order_t)
+        self.trees = [InPlaceSums(x, seg.block) for x in seg.xbuf]
+        self.wcol = [seg.chunk.samples.to(x.dtype).unsqueeze(1) for x in seg.xbuf]
+        self.avg_w = [seg.plan.active_weight.to(x).unsqueeze(1) for x in seg.xbuf]
+        self.named = [
+            seg.leaves if live == m else {k: t[:live] for k, t in seg.leaves.items()} for live in lay.live
+        ]
+        self.ws = [lay.weight_all[s, :live] for s, live in enumerate(lay.live)]
+        dm = local.dm
+        shape = (lay.s_max, m, local.schedule.batch_size)
+        sample = dm.train_x[0].numel() * torch.finfo(local.dtype).bits // 8
+        self.batch: tuple[Tensor, Tensor] | None = None
+        self.xs: list[Tensor] = []
+        self.ys: list[Tensor] = []
+        if math.prod(shape) * sample <= _WHOLE_ROUND_BYTES:
+            x_like, y_like = dm.gather(
+                torch.as_tensor(np.zeros((1,), dtype=np.int64), device=dev), local.dtype
+            )
+            self.batch = (
+                x_like.new_empty((*shape, *x_like.shape[1:])),
+                y_like.new_empty(shape),
+            )
+            self.xs = [self.batch[0][s, :live] for s, live in enumerate(lay.live)]
+            self.ys = [self.batch[1][s, :live] for s, live in enumerate(lay.live)]

@@ -20,6 +20,7 @@ from fedshard_lightning.engine.schedule import LocalSchedule
 __all__ = ["BatchPlans"]
 
 Plan = tuple[np.ndarray, np.ndarray, np.ndarray]
+Request = tuple[Sequence[int], Sequence[int], int, Sequence[int]]  # clients, groups, stage, rounds
 
 
 class BatchPlans:
@@ -47,24 +48,84 @@ class BatchPlans:
     def plan(
         self, clients: Sequence[int], groups: Sequence[int], stage: int, rounds: Sequence[int]
     ) -> list[Plan]:
-        """(global indices [m, S, B], sizes [m, S], steps [m]) of ``clients`` in each of ``rounds``."""
-        cl = np.asarray(clients, dtype=np.int64)
-        m, r = len(cl), len(rounds)
+        """(global indices [m, S, B], sizes [m, S], steps [m]) of ``clients`` in each of ``rounds``.
+
+        Rounds :meth:`prepare`-d before are taken from there (when all of them are), not planned again.
+        """
+        if self._ahead:
+            key = (stage, tuple(clients), tuple(groups))
+            if all((*key, r) in self._ahead for r in rounds):
+                return [self._ahead.pop((*key, r)) for r in rounds]
+        return self.plan_many([(clients, groups, stage, rounds)])[0]
+
+    def plan_many(self, requests: Sequence[Request]) -> list[list[Plan]]:
+        """:meth:`plan` of every ``(clients, groups, stage, rounds)`` request, in one vectorized call.
+
+        Each (client, round) is a row of its own key; a request's slice is cut to its own largest
+        step count, where the rows of a request planned alone end (0-padded in both), so every
+        plan equals that of :meth:`plan` alone.
+        """
+        if not requests:
+            return []
+        cls, grs, sts, rds = [], [], [], []
+        for clients, groups, stage, rounds in requests:
+            cl = np.asarray(clients, dtype=np.int64)
+            m, r = len(cl), len(rounds)
+            cls.append(np.tile(cl, r))
+            grs.append(np.tile(np.asarray(groups, dtype=np.int64), r))
+            sts.append(np.full(m * r, stage, dtype=np.int64))
+            rds.append(np.repeat(np.asarray(rounds, dtype=np.int64), m))
+        cl_all = np.concatenate(cls)
         pos, sizes, steps = self.schedule.plan(
-            np.tile(self.client_len[cl], r),
+            self.client_len[cl_all],
             self.seed,
-            stage,
-            np.tile(np.asarray(groups, dtype=np.int64), r),
-            np.repeat(np.asarray(rounds, dtype=np.int64), m),
-            np.tile(cl, r),
+            np.concatenate(sts),
+            np.concatenate(grs),
+            np.concatenate(rds),
+            cl_all,
         )
-        off = np.tile(self.client_off[cl], r)
+        off = self.client_off[cl_all]
         # Padding slots read position 0 of their client; clipped for a client without samples.
         gidx = self.all_own[np.minimum(off[:, None, None] + pos, len(self.all_own) - 1)] if pos.size else pos
-        return [
-            (gidx[i * m : (i + 1) * m], sizes[i * m : (i + 1) * m], steps[i * m : (i + 1) * m])
-            for i in range(r)
-        ]
+        out, lo = [], 0
+        for clients, _, _, rounds in requests:
+            m = len(clients)
+            hi = lo + m * len(rounds)
+            s = int(steps[lo:hi].max(initial=0))
+            out.append(
+                [
+                    (gidx[a : a + m, :s], sizes[a : a + m, :s], steps[a : a + m])
+                    for a in range(lo, hi, max(m, 1))
+                ]
+                if m
+                else [(gidx[lo:lo, :0], sizes[lo:lo, :0], steps[lo:lo])] * len(rounds)
+            )
+            lo = hi
+        return out
+
+    def prepare(self, requests: Sequence[Request]) -> bool:
+        """Plan these requests now, in one call, for :meth:`plan` to take; False if over the budget.
+
+        An unlearning request's stages are planned before any of them trains: their keys are
+        known, and one call is cheaper than one per stage.
+        """
+        n = self.client_len
+        slots = (
+            sum(
+                int(self.schedule.plan_steps(n[np.asarray(c, dtype=np.int64)]).max(initial=0))
+                * len(c)
+                * len(rs)
+                for c, _, _, rs in requests
+            )
+            * self.schedule.batch_size
+        )
+        if slots > self.budget:
+            return False
+        for (clients, groups, stage, rounds), plans in zip(requests, self.plan_many(requests)):
+            key = (stage, tuple(clients), tuple(groups))
+            for r, p in zip(rounds, plans):
+                self._ahead[(*key, r)] = p
+        return True
 
     def expect(self, clients: Sequence[int], groups: Sequence[int], stage: int, end: int) -> None:
         """These clients (of these groups) will train together in every round up to ``end`` (exclusive)."""

@@ -52,7 +52,7 @@ class LocalSchedule:
         self,
         n: np.ndarray,
         seed: int,
-        stage: int,
+        stage: int | np.ndarray,
         groups: np.ndarray,
         round_: int | np.ndarray,
         clients: np.ndarray,
@@ -65,7 +65,7 @@ class LocalSchedule:
         Args:
             n: Sample count of every client.
             seed: Training seed.
-            stage: Stage of the round.
+            stage: Stage of the round (or one per client: stages planned together).
             groups: Group key of every client.
             round_: Round within the stage (or one per client: rounds planned together).
             clients: Client ids.

@@ -216,6 +216,33 @@ class Algorithm(RecordsInitArgs):
         events.groups_trained(stage, groups, res.client_steps)
         return res
 
+    def train_stages(
+        self,
+        jobs: Sequence[tuple[int, Sequence[Group]]],
+        init_of: Callable[[int, list[TrainResult]], dict[str, Tensor]],
+    ) -> list[TrainResult]:
+        """Unreported :meth:`train` of ``(stage, groups)`` jobs in turn, job j from ``init_of(j, results)``.
+
+        One engine call (:meth:`.FederatedEngine.train_stages`) for a request's whole replay; the
+        events hear of each job when the next one starts from it, and of the last at the end.
+        """
+        if self.ctx is not None and self.ctx.world_size > 1:
+            results: list[TrainResult] = []
+            for j, (stage, groups) in enumerate(jobs):
+                results.append(self.train(init_of(j, results), groups, stage, report=False))
+            return results
+        events = self.events
+
+        def init_after(j: int, results: list[TrainResult]) -> dict[str, Tensor]:
+            if j:
+                events.groups_trained(*jobs[j - 1], results[-1].client_steps)
+            return init_of(j, results)
+
+        results = self.engine.train_stages(jobs, init_after)
+        if results:
+            events.groups_trained(*jobs[-1], results[-1].client_steps)
+        return results
+
     def _train_distributed(
         self,
         init: dict[str, Tensor],

@@ -314,11 +314,16 @@ class FedShard(ShardCosts, ShardCache, Algorithm):
 
     # -- costs ------------------------------------------------------------------------------------
     def _replay(self, gone: set[int], only: dict[int, list[int]] | None) -> tuple[list, list, int, list]:
-        """Recompute shards bottom-up without ``gone``: the listed ones (``only``) or all of them."""
+        """Recompute shards bottom-up without ``gone``: the listed ones (``only``) or all of them.
+
+        The shards to retrain and their rounds follow from the frozen tree before any training, so
+        the whole replay is one engine call (:meth:`train_stages`); each stage starts from the
+        re-averaged models of its children, retrained by the stage before.
+        """
         records = [[replace(r) for r in recs] for recs in self.records]
         models = [dict(m) for m in self.models]
-        steps = 0
-        retrained = []
+        jobs: list[tuple[int, list[Group]]] = []
+        shards: list[list[int]] = []
         for p, (weights, hit) in enumerate(self.live_shards(len(records), gone), start=1):
             recs = records[p - 1]
             for i, rec in enumerate(recs):
@@ -326,21 +331,31 @@ class FedShard(ShardCosts, ShardCache, Algorithm):
             idx = [
                 i for i in range(len(recs)) if (only is None or i in only.get(p, ())) and not recs[i].empty
             ]
-            if not idx:
-                continue
-            sub = [recs[i] for i in idx]
-            prev = models[p - 2] if p > 1 else None
-            prev_rec = records[p - 2] if p > 1 else None
-            init = self._children_average(p, sub, prev, prev_rec)
-            groups = [Group(i, tuple(recs[i].remaining), recs[i].rounds) for i in idx]
-            res = self.train(init, groups, p, report=False)
-            steps += res.client_steps
-            idx_t = torch.as_tensor(idx, device=next(iter(res.params.values())).device)
+            if idx:
+                jobs.append((p, [Group(i, tuple(recs[i].remaining), recs[i].rounds) for i in idx]))
+                shards.append(idx)
+
+        def put(j: int, res: TrainResult) -> None:  # job j's retrained shards into its stage's models
+            p = jobs[j][0]
+            idx_t = torch.as_tensor(shards[j], device=next(iter(res.params.values())).device)
             models[p - 1] = {
                 k: v.clone().index_copy_(0, idx_t, res.params[k]) for k, v in models[p - 1].items()
             }
-            retrained.extend((p, i) for i in idx)
-        return records, models, steps, retrained
+
+        def init_of(j: int, results: list[TrainResult]) -> dict[str, Tensor]:
+            if j:
+                put(j - 1, results[j - 1])
+            p = jobs[j][0]
+            sub = [records[p - 1][i] for i in shards[j]]
+            return self._children_average(
+                p, sub, models[p - 2] if p > 1 else None, records[p - 2] if p > 1 else None
+            )
+
+        results = self.train_stages(jobs, init_of)
+        if results:
+            put(len(results) - 1, results[-1])
+        retrained = [(p, i) for (p, _), idx in zip(jobs, shards) for i in idx]
+        return records, models, sum(r.client_steps for r in results), retrained
 
     def unlearn(self, clients: Sequence[int]) -> UnlearnResult:
         """Retrain only the shards whose clients meet ``clients``, stage by stage."""

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fedshard_lightning.engine import FederatedEngine, Group, LocalSchedule, stack_params
+from fedshard_lightning.engine import lean_rounds as lean_module
 from fedshard_lightning.engine.lean_rounds import lean_eligible
 from fedshard_lightning.errors import NonFiniteLossError
 from fedshard_lightning.models import MLP
@@ -64,9 +65,22 @@ def _same(a, b):
     dtype=st.sampled_from([torch.float32, torch.float64]),
     seed=st.integers(0, 50),
     batch=st.integers(2, 9),
+    one_pass=st.booleans(),
 )
-def test_lean_rounds_equal_the_general_path(split, rounds, dtype, seed, batch):
-    """Groups of unequal sizes and rounds (segments), clients with unequal steps, empty groups."""
+def test_lean_rounds_equal_the_general_path(split, rounds, dtype, seed, batch, one_pass):
+    """Groups of unequal sizes and rounds (segments), clients with unequal steps, empty groups.
+
+    ``one_pass``: the leaves are weighted tensor by tensor into the sums' matrix (large models).
+    """
+    saved = lean_module._ONE_PASS
+    lean_module._ONE_PASS = 0 if one_pass else saved
+    try:
+        _check_lean_equals_general(split, rounds, dtype, seed, batch)
+    finally:
+        lean_module._ONE_PASS = saved
+
+
+def _check_lean_equals_general(split, rounds, dtype, seed, batch):
     eng = _engine(dtype=dtype, seed=seed, batch=batch)
     groups = [Group(g, tuple(c for c, s in enumerate(split) if s == g), rounds[g]) for g in range(4)]
     assert lean_eligible(eng, groups)

@@ -60,3 +60,46 @@ def test_other_clients_are_planned_now_and_clear_forgets():
     assert sorted(k[-1] for k in plans._ahead) == [1, 2, 3]
     plans.clear()
     assert not plans._ahead and not plans._until
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 25), min_size=3, max_size=7),
+    b=st.integers(1, 6),
+    steps=st.one_of(st.none(), st.integers(1, 5)),
+    requests=st.lists(
+        st.tuples(st.integers(1, 6), st.integers(0, 7), st.integers(0, 4), st.integers(0, 3)),
+        min_size=1,
+        max_size=5,
+    ),
+)
+def test_stages_prepared_together_equal_each_planned_alone(sizes, b, steps, requests):
+    """Requests of other clients, stages and step counts in one call: each one's plans as alone, same shapes."""
+    sched = LocalSchedule(batch_size=b, local_steps=steps)
+    rng = np.random.default_rng(len(sizes))
+    own = np.split(rng.permutation(sum(sizes)), np.cumsum(sizes)[:-1])
+    reqs = []
+    for j, (stage, first, n_rounds, drop) in enumerate(requests):
+        stage = 5 * j + stage  # one request per stage, as in a replay
+        clients = [c for c in range(len(sizes)) if (c + stage) % (drop + 1) == 0] or [stage % len(sizes)]
+        reqs.append((clients, [stage + c % 2 for c in clients], stage, range(first, first + n_rounds + 1)))
+    plans = BatchPlans(sched, 5, own)
+    assert plans.prepare(reqs)
+    for clients, groups, stage, rounds in reqs:
+        got = plans.plan(clients, groups, stage, rounds)
+        want = BatchPlans(sched, 5, own).plan(clients, groups, stage, rounds)
+        for (g, s, n), (wg, ws, wn) in zip(got, want, strict=True):
+            assert g.shape == wg.shape and (g == wg).all() and (s == ws).all() and (n == wn).all()
+        for r in rounds:  # a single-client schedule agrees as well
+            for i, (batches, wsz) in enumerate(_alone(sched, own, 5, stage, groups, r, clients)):
+                assert got[r - rounds[0]][2][i] == len(wsz)
+                assert [got[r - rounds[0]][0][i, s_, : wsz[s_]].tolist() for s_ in range(len(wsz))] == batches
+    assert not plans._ahead  # every prepared round was taken
+
+
+def test_prepare_over_the_budget_keeps_nothing():
+    sched = LocalSchedule(batch_size=3)
+    own = [np.arange(0, 7), np.arange(7, 12)]
+    plans = BatchPlans(sched, 0, own, budget=5)
+    assert not plans.prepare([([0, 1], [0, 0], 1, range(2))])
+    assert not plans._ahead
