@@ -8,7 +8,8 @@ what any eager PyTorch loop pays. For the same fitted methods and the same reque
 
 * **request**: ``what_if`` of FedShard and of FA, as ``unlearning_speed.py`` does;
 * **rounds**: the sum of their rounds alone (the engine's per-round record), without the
-  per-stage work around them (planning the batches, building the stage, averaging children);
+  per-stage work around them (planning the batches, building the stage, averaging children,
+  recording the rounds);
 * **bare loop**: the same rounds (clients per round and rounds per stage, read from the requests
   themselves) written out with nothing but the operators of a local step and a weighted average:
   forward and backward of the MLP by ``baddbmm``/``bmm`` on stacked clients, fused SGD, and
@@ -35,21 +36,37 @@ from fedshard_lightning.engine.groups import TrainResult
 
 
 class Recorder:
-    """Wraps an engine's ``train_groups``: the clients per round and rounds of each call, and its rounds' time."""
+    """Wraps an engine's ``train_groups`` and ``train_stages``: clients per round and rounds of each group, and its rounds' time."""
 
     def __init__(self, engine: object) -> None:
         self.engine = engine
         self.calls: list[tuple[int, int]] = []  # (clients per round, rounds) of each group trained
         self.round_seconds = 0.0
         self._orig = engine.train_groups  # type: ignore[attr-defined]
+        self._orig_stages = engine.train_stages  # type: ignore[attr-defined]
         engine.train_groups = self  # type: ignore[attr-defined]
+        engine.train_stages = self.stages  # type: ignore[attr-defined]
+
+    def restore(self) -> None:
+        """Unwrap the engine."""
+        self.engine.train_groups = self._orig  # type: ignore[attr-defined]
+        self.engine.train_stages = self._orig_stages  # type: ignore[attr-defined]
+
+    def _add(self, groups: list, res: TrainResult) -> None:
+        self.round_seconds += sum(h.seconds for h in res.history)
+        self.calls.extend((len(g.clients), g.rounds) for g in groups if g.clients)
 
     def __call__(self, *args: object, **kwargs: object) -> TrainResult:
         res = self._orig(*args, **kwargs)
-        self.round_seconds += sum(h.seconds for h in res.history)
-        groups = args[1] if len(args) > 1 else kwargs["groups"]
-        self.calls.extend((len(g.clients), g.rounds) for g in groups if g.clients)  # type: ignore[attr-defined]
+        self._add(args[1] if len(args) > 1 else kwargs["groups"], res)  # type: ignore[arg-type]
         return res
+
+    def stages(self, jobs: list, init_of: object) -> list[TrainResult]:
+        """``train_stages``, recorded job by job (a request's replay is one such call)."""
+        results = self._orig_stages(jobs, init_of)
+        for (_, groups), res in zip(jobs, results):
+            self._add(groups, res)
+        return results
 
 
 class BareLoop:
@@ -155,7 +172,7 @@ def main() -> None:
             rec.round_seconds = 0.0
             request = median_of(lambda: m.alg.what_if(fitted, [c]), args.repeats)  # noqa: B023
             rounds = rec.round_seconds / args.repeats
-            m.alg.engine.train_groups = rec._orig
+            rec.restore()
             floor = median_of(lambda: bare.run(calls), args.repeats)  # noqa: B023
             out[name] = (request, rounds, floor, calls)
         rows.append((c, out))

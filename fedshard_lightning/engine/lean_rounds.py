@@ -44,6 +44,9 @@ RoundHook = Callable[[RoundInfo, dict[str, Tensor]], Sequence[bool] | None]
 
 # A round's samples are gathered in one call when they take at most this much memory.
 _WHOLE_ROUND_BYTES = 16 << 20
+# An engine keeps at most _FRAMES segment frames (buffers and views by shape), each at most this big.
+_FRAME_BYTES = 16 << 20
+_FRAMES = 16
 
 
 def lean_eligible(engine: FederatedEngine, groups: Sequence[Group]) -> bool:
@@ -139,10 +142,9 @@ def _flat_state(init: dict[str, Tensor], layout: SumLayout) -> tuple[list[Tensor
 class _Segment:
     """Rounds ``start..`` with the same active groups: everything but the training made once.
 
-    The participants' models (the leaves) are views into one [m, D] matrix per dtype, laid out
-    like the sums, so a round starts with one row gather per dtype and its average reads that
-    matrix as it is; the round's batches go to fixed buffers whose per-step views, like those of
-    the sums' tree (:class:`.lean_sums.InPlaceSums`), are made with the first window.
+    The round's batches go to fixed buffers whose per-step views, like those of the sums' tree
+    (:class:`.lean_sums.InPlaceSums`), are made with the buffers: in a :class:`_Frame`, which
+    depends on the segment's shapes alone and is kept by the engine for later calls.
     """
 
     def __init__(
@@ -175,15 +177,10 @@ class _Segment:
             self.group_steps[i] = s
         slots = int(steps.max(initial=0)) * m * local.schedule.batch_size
         self.window = max(1, local.plans.budget // max(slots, 1))  # rounds planned together
-        self.leaves = {k: state[k].new_empty((m, *layout.shapes[k])) for k in engine.names}
-        # The sums read the participants' models as one [m, D] matrix per dtype, in participant order.
-        self.xbuf = [
-            state[names[0]].new_empty((m, sum(layout.numel[k] for k in names))) for names in layout.kinds
-        ]
-        self.sums = [x.new_empty((len(groups), x.shape[1])) for x in self.xbuf]
         self.block = cached_block_plan(engine.sum_plans, self.chunk.meta, dev)
         self.all_active = len(active) == len(groups)
-        self.views: _Views | None = None  # made by the first window (they follow from its layout)
+        self.dtypes = tuple(state[names[0]].dtype for names in layout.kinds)
+        self.views: _Frame | None = None  # taken by the first window (it follows from its layout)
 
     def run(
         self,
@@ -211,7 +208,9 @@ class _Segment:
             ):
                 raise RuntimeError("batch sizes changed between rounds of the same participants")
         if v is None:
-            v = self.views = _Views(self, gsz, steps, flats[0].device)
+            v = self.views = _frame(self, gsz, steps, flats[0].device)
+            self.wcol = [self.chunk.samples.to(x.dtype).unsqueeze(1) for x in v.xbuf]
+            self.avg_w = [self.plan.active_weight.to(x).unsqueeze(1) for x in v.xbuf]
         lay = v.lay
         gidx_all = torch.as_tensor(
             np.stack([(p[0] if lay.in_order else p[0][lay.order]).transpose(1, 0, 2) for p in planned]),
@@ -222,7 +221,7 @@ class _Segment:
         times = []
         for j in range(len(rounds)):
             tr = time.perf_counter()
-            for k, leaf in self.leaves.items():
+            for k, leaf in v.leaves.items():
                 torch.index_select(state[k], 0, v.pick, out=leaf)
             if v.batch is not None:  # the round's batches in one gather, into the steps' views
                 dm.gather(gidx_all[j], local.dtype, out=v.batch)
@@ -260,12 +259,12 @@ class _Segment:
             setattr(rec, name, getattr(self, name))
         return rec
 
-    def _average(self, flats: list[Tensor], v: _Views) -> None:
+    def _average(self, flats: list[Tensor], v: _Frame) -> None:
         """Sample-weighted FedAvg of the leaves into the state rows of the active groups (GroupSums' bits)."""
         for names, x, sums, flat, tree, wcol, avg_w in zip(
-            self.layout.kinds, self.xbuf, self.sums, flats, v.trees, v.wcol, v.avg_w
+            self.layout.kinds, v.xbuf, v.sums, flats, v.trees, self.wcol, self.avg_w
         ):
-            parts = [self.leaves[k].view(self.m, -1) for k in names]
+            parts = [v.leaves[k].view(self.m, -1) for k in names]
             if x.numel() < _ONE_PASS:  # few elements: two or three calls cost less than one per tensor
                 if v.inverse is None:
                     torch.cat(parts, 1, out=x)
@@ -320,20 +319,57 @@ class _Segment:
         return new
 
 
-class _Views:
-    """What a segment's first window fixes: the step layout, the buffers and their views."""
+def _frame(seg: _Segment, gsz: np.ndarray, steps: np.ndarray, dev: torch.device) -> _Frame:
+    """The frame of a segment's shapes: the engine's kept one, or a new one (kept if small enough)."""
+    frames = seg.engine.lean_frames
+    key = (
+        seg.m,
+        len(seg.groups),
+        tuple(seg.owners),
+        gsz.shape,
+        gsz.tobytes(),
+        steps.tobytes(),
+        seg.dtypes,
+        dev,
+    )
+    frame = frames.pop(key, None)  # taken out and put back last: the dict's order is recency
+    if frame is None:
+        frame = _Frame(seg, gsz, steps, dev)
+    if frame.nbytes <= _FRAME_BYTES:
+        frames[key] = frame
+        while len(frames) > _FRAMES:
+            del frames[next(iter(frames))]
+    return frame
+
+
+class _Frame:
+    """What follows from a segment's shapes alone: the step layout, the buffers and their views.
+
+    Not which clients train (only how many, in which groups, with which batch sizes), so the
+    stages of later requests, whose shards have the shapes of earlier ones, take it as it is:
+    every buffer is written before it is read in every round.
+    """
 
     def __init__(self, seg: _Segment, gsz: np.ndarray, steps: np.ndarray, dev: torch.device) -> None:
-        local, m = seg.engine.local, seg.m
+        local, m, layout = seg.engine.local, seg.m, seg.layout
         self.gsz, self.steps = gsz, steps
         lay = self.lay = local.layouts(gsz, steps, dev, True)
         self.pick = seg.chunk.owners_t if lay.in_order else seg.chunk.owners_t.index_select(0, lay.order_t)
         self.inverse = None if lay.in_order else torch.argsort(lay.order_t)
-        self.trees = [InPlaceSums(x, seg.block) for x in seg.xbuf]
-        self.wcol = [seg.chunk.samples.to(x.dtype).unsqueeze(1) for x in seg.xbuf]
-        self.avg_w = [seg.plan.active_weight.to(x).unsqueeze(1) for x in seg.xbuf]
+        self.leaves = {
+            k: torch.empty((m, *layout.shapes[k]), dtype=dt, device=dev)
+            for names, dt in zip(layout.kinds, seg.dtypes)
+            for k in names
+        }
+        # The sums read the participants' models as one [m, D] matrix per dtype, in participant order.
+        self.xbuf = [
+            torch.empty((m, sum(layout.numel[k] for k in names)), dtype=dt, device=dev)
+            for names, dt in zip(layout.kinds, seg.dtypes)
+        ]
+        self.sums = [x.new_empty((len(seg.groups), x.shape[1])) for x in self.xbuf]
+        self.trees = [InPlaceSums(x, seg.block) for x in self.xbuf]
         self.named = [
-            seg.leaves if live == m else {k: t[:live] for k, t in seg.leaves.items()} for live in lay.live
+            self.leaves if live == m else {k: t[:live] for k, t in self.leaves.items()} for live in lay.live
         ]
         self.ws = [lay.weight_all[s, :live] for s, live in enumerate(lay.live)]
         dm = local.dm
@@ -343,12 +379,9 @@ class _Views:
         self.xs: list[Tensor] = []
         self.ys: list[Tensor] = []
         if math.prod(shape) * sample <= _WHOLE_ROUND_BYTES:
-            x_like, y_like = dm.gather(
-                torch.as_tensor(np.zeros((1,), dtype=np.int64), device=dev), local.dtype
-            )
-            self.batch = (
-                x_like.new_empty((*shape, *x_like.shape[1:])),
-                y_like.new_empty(shape),
-            )
+            x_like, y_like = dm.gather(torch.zeros((1,), dtype=torch.int64, device=dev), local.dtype)
+            self.batch = (x_like.new_empty((*shape, *x_like.shape[1:])), y_like.new_empty(shape))
             self.xs = [self.batch[0][s, :live] for s, live in enumerate(lay.live)]
             self.ys = [self.batch[1][s, :live] for s, live in enumerate(lay.live)]
+        tensors = [*self.leaves.values(), *self.xbuf, *self.sums, *(self.batch or ())]
+        self.nbytes = sum(t.numel() * t.element_size() for t in tensors)

@@ -192,3 +192,19 @@ def test_auto_decides_on_the_chunk_the_general_path_would_time(monkeypatch):
     assert batch_a == batch_b and batch_a.clients == [3, 4, 5, 6, 7, 8, 0, 1, 2] and batch_a.round == 0
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     _same(out[0], out[1])
+
+
+def test_kept_frames_serve_later_calls_of_other_clients():
+    """A frame (buffers and views by shape) made for one call serves a later call of other clients alike."""
+    eng = _engine(k=12)
+    init = stack_params([eng.module_params()] * 2)
+    calls = [
+        [Group(0, (0, 1, 2), 3), Group(1, (3, 4), 3)],
+        [Group(0, (5, 6, 7), 3), Group(1, (8, 9), 3)],  # other clients, the same shapes
+        [Group(0, (0, 1, 2), 3), Group(1, (3, 4), 3)],
+    ]
+    made = []
+    for groups in calls:
+        _same(eng.train_groups(init, groups, stage=1), _general(eng, init, groups, stage=1))
+        made.append({id(f) for f in eng.lean_frames.values()})
+    assert made[0] and made[0] <= made[2] and len(made[2]) <= 2  # the third call took the first one's frame
