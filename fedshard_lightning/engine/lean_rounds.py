@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -180,7 +181,10 @@ class _Segment:
         self.block = cached_block_plan(engine.sum_plans, self.chunk.meta, dev)
         self.all_active = len(active) == len(groups)
         self.dtypes = tuple(state[names[0]].dtype for names in layout.kinds)
-        self.views: _Frame | None = None  # taken by the first window (it follows from its layout)
+        self.recording = _Recording(self.plan, self.clients, self.owners, groups, stage, self.group_steps)
+        self.frame: _Frame | None = None  # taken by the first window (it follows from the batch sizes)
+        self.wcol: list[Tensor] = []  # per dtype: the participants' sample counts, a column
+        self.avg_w: list[Tensor] = []  # per dtype: the active groups' sample totals, a column
 
     def run(
         self,
@@ -200,7 +204,7 @@ class _Segment:
         local, m = self.engine.local, self.m
         planned = local.plans.plan(self.clients, self.keys, self.stage, rounds)
         _, gsz, steps = planned[0]
-        v = self.views
+        v = self.frame
         for p in planned if v is None else planned[:1]:  # sizes follow from the clients' sample counts
             if not (
                 np.array_equal(p[1], gsz if v is None else v.gsz)
@@ -208,7 +212,7 @@ class _Segment:
             ):
                 raise RuntimeError("batch sizes changed between rounds of the same participants")
         if v is None:
-            v = self.views = _frame(self, gsz, steps, flats[0].device)
+            v = self.frame = _frame(self, gsz, steps, flats[0].device)
             self.wcol = [self.chunk.samples.to(x.dtype).unsqueeze(1) for x in v.xbuf]
             self.avg_w = [self.plan.active_weight.to(x).unsqueeze(1) for x in v.xbuf]
         lay = v.lay
@@ -237,7 +241,7 @@ class _Segment:
             times.append(time.perf_counter() - tr)
             if hook is not None:
                 row = losses[j : j + 1] if v.inverse is None else losses[j : j + 1].index_select(1, v.inverse)
-                (info,) = self._record(row, rounds[j : j + 1], times[j:], history)
+                (info,) = _record(self.recording, row, rounds[j : j + 1], times[j:], history)
                 stop = hook(info, {k: v_.contiguous() for k, v_ in state.items()})
                 if stop is not None:
                     for i, s_ in enumerate(stop):
@@ -247,17 +251,10 @@ class _Segment:
         if hook is None:
             ordered = losses if v.inverse is None else losses.index_select(1, v.inverse)
             if deferred is None:
-                self._record(ordered, rounds, times, history)
+                _record(self.recording, ordered, rounds, times, history)
             else:
-                deferred.append(partial(_Segment._record, self.recorder(), ordered, rounds, times, history))
+                deferred.append(partial(_record, self.recording, ordered, rounds, times, history))
         return len(rounds)
-
-    def recorder(self) -> _Segment:
-        """A copy that :meth:`_record` can use later without keeping the segment's buffers alive."""
-        rec = object.__new__(_Segment)
-        for name in ("plan", "clients", "owners", "groups", "stage", "group_steps"):
-            setattr(rec, name, getattr(self, name))
-        return rec
 
     def _average(self, flats: list[Tensor], v: _Frame) -> None:
         """Sample-weighted FedAvg of the leaves into the state rows of the active groups (GroupSums' bits)."""
@@ -285,38 +282,49 @@ class _Segment:
             else:
                 flat.index_copy_(0, self.plan.active_t, sums.index_select(0, self.plan.active_t) / avg_w)
 
-    def _record(
-        self, losses: Tensor, rounds: range, times: list[float], history: list[RoundInfo]
-    ) -> list[RoundInfo]:
-        """Check the losses and add the rounds' records (as the general path makes them); the new records."""
-        plan = self.plan
-        host = losses.detach().cpu().double()
-        finite = torch.isfinite(host)
-        if not bool(finite.all()):
-            j = int((~finite).any(1).nonzero()[0])
-            check_finite(host[j].numpy(), self.clients, self.owners, self.groups, self.stage, rounds[j])
-        g_count = len(self.groups)
-        sums = torch.zeros((len(rounds), g_count), dtype=torch.float64)
-        sums.index_add_(1, torch.as_tensor(self.owners), host)
-        steps = self.group_steps
-        total = int(steps.sum())
-        means = (sums.numpy()[:, plan.active] / np.maximum(steps[plan.active], 1)).tolist()
-        new = []
-        for j, r in enumerate(rounds):
-            new.append(
-                RoundInfo(
-                    stage=self.stage,
-                    round=r,
-                    active=list(plan.active),
-                    participants=plan.parts,
-                    mean_loss=means[j],
-                    client_steps=total,
-                    seconds=times[j],
-                    client_ids=plan.clients,
-                )
-            )
-        history.extend(new)
-        return new
+
+@dataclass(frozen=True)
+class _Recording:
+    """What a segment's round records are made of (kept by a deferred record instead of its buffers)."""
+
+    plan: RoundPlan
+    clients: list[int]
+    owners: list[int]
+    groups: Sequence[Group]
+    stage: int
+    group_steps: np.ndarray
+
+
+def _record(
+    rec: _Recording, losses: Tensor, rounds: range, times: list[float], history: list[RoundInfo]
+) -> list[RoundInfo]:
+    """Check the losses and add the rounds' records (as the general path makes them); the new records."""
+    plan = rec.plan
+    host = losses.detach().cpu().double()
+    finite = torch.isfinite(host)
+    if not bool(finite.all()):
+        j = int((~finite).any(1).nonzero()[0])
+        check_finite(host[j].numpy(), rec.clients, rec.owners, rec.groups, rec.stage, rounds[j])
+    sums = torch.zeros((len(rounds), len(rec.groups)), dtype=torch.float64)
+    sums.index_add_(1, plan.chunks[0].owners_cpu, host)
+    steps = rec.group_steps
+    total = int(steps.sum())
+    means = (sums.numpy()[:, plan.active] / np.maximum(steps[plan.active], 1)).tolist()
+    new = [
+        RoundInfo(
+            stage=rec.stage,
+            round=r,
+            active=list(plan.active),
+            participants=plan.parts,
+            mean_loss=means[j],
+            client_steps=total,
+            seconds=times[j],
+            client_ids=plan.clients,
+        )
+        for j, r in enumerate(rounds)
+    ]
+    history.extend(new)
+    return new
 
 
 def _frame(seg: _Segment, gsz: np.ndarray, steps: np.ndarray, dev: torch.device) -> _Frame:
