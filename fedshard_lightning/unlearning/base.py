@@ -226,21 +226,20 @@ class Algorithm(RecordsInitArgs):
         One engine call (:meth:`.FederatedEngine.train_stages`) for a request's whole replay; the
         events hear of each job when the next one starts from it, and of the last at the end.
         """
+        results: list[TrainResult] = []
         if self.ctx is not None and self.ctx.world_size > 1:
-            results: list[TrainResult] = []
             for j, (stage, groups) in enumerate(jobs):
                 results.append(self.train(init_of(j, results), groups, stage, report=False))
             return results
-        events = self.events
 
-        def init_after(j: int, results: list[TrainResult]) -> dict[str, Tensor]:
+        def init_after(j: int, done: list[TrainResult]) -> dict[str, Tensor]:
             if j:
-                events.groups_trained(*jobs[j - 1], results[-1].client_steps)
-            return init_of(j, results)
+                self.events.groups_trained(*jobs[j - 1], done[-1].client_steps)
+            return init_of(j, done)
 
         results = self.engine.train_stages(jobs, init_after)
         if results:
-            events.groups_trained(*jobs[-1], results[-1].client_steps)
+            self.events.groups_trained(*jobs[-1], results[-1].client_steps)
         return results
 
     def _train_distributed(

@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from _tiny import tiny_data, tiny_model, tiny_trainer
 
 from fedshard_lightning.models import MLP, FedAvgCNN, ResNetGN
 
 
+def _plain_mlp(**_: object) -> MLP:
+    """An MLP with plain SGD: stacked, it trains (and unlearns) on the engine's lean path."""
+    torch.manual_seed(0)
+    return MLP(hidden=(16,), lr=0.1)
+
+
 def _fresh(cls, shape):
-    return tiny_model(cls), tiny_data(shape)
+    return (_plain_mlp() if cls is _plain_mlp else tiny_model(cls)), tiny_data(shape)
 
 
 def _trainer(root, vectorize):
@@ -17,7 +24,9 @@ def _trainer(root, vectorize):
 
 
 @pytest.mark.parametrize("vectorize", ["always", "never"])
-@pytest.mark.parametrize(("cls", "shape"), [(MLP, (10,)), (FedAvgCNN, (1, 28, 28)), (ResNetGN, (3, 16, 16))])
+@pytest.mark.parametrize(
+    ("cls", "shape"), [(MLP, (10,)), (_plain_mlp, (10,)), (FedAvgCNN, (1, 28, 28)), (ResNetGN, (3, 16, 16))]
+)
 def test_float32_audit_is_bit_exact(tmp_path, cls, shape, vectorize):
     tr = _trainer(tmp_path, vectorize)
     tr.fit(*_fresh(cls, shape))

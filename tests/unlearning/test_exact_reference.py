@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from fedshard_lightning.data import SyntheticDataModule
 from fedshard_lightning.engine import LocalSchedule
+from fedshard_lightning.engine import stages as stages_module
 from fedshard_lightning.models import MLP
 from fedshard_lightning.trainer import FederatedTrainer
 from fedshard_lightning.unlearning import FedShard
@@ -25,7 +26,7 @@ from fedshard_lightning.unlearning import FedShard
 BATCH, SEED, BLOCK = 5, 0, 64
 
 
-def _fresh(k: int = 8):
+def _fresh(k: int = 8, momentum: float = 0.5):
     dm = SyntheticDataModule(
         num_clients=k,
         partition="dirichlet",
@@ -37,7 +38,7 @@ def _fresh(k: int = 8):
         num_classes_=4,
     )
     torch.manual_seed(0)
-    return MLP(hidden=(16,), lr=0.1, momentum=0.5), dm
+    return MLP(hidden=(16,), lr=0.1, momentum=momentum), dm
 
 
 def _trainer(root, vectorize):
@@ -62,10 +63,12 @@ def _fedavg_sum(rows: list[torch.Tensor], weights: list[int]) -> torch.Tensor:
     return total
 
 
-def _local(model, start: torch.Tensor, dm, client: int, stage: int, shard: int, round_: int) -> torch.Tensor:
+def _local(
+    model, start: torch.Tensor, dm, client: int, stage: int, shard: int, round_: int, momentum: float
+) -> torch.Tensor:
     """One client's round: plain SGD on its keyed batches; returns its flat parameters."""
     torch.nn.utils.vector_to_parameters(start.clone(), model.parameters())  # params become views
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
     n = len(dm.client_indices[client])
     pos, sizes, steps = LocalSchedule(batch_size=BATCH).plan(
         np.array([n]), SEED, stage, np.array([shard]), round_, np.array([client])
@@ -80,7 +83,7 @@ def _local(model, start: torch.Tensor, dm, client: int, stage: int, shard: int, 
     return torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
 
 
-def _reference(records, theta0: torch.Tensor, dm, gone: set[int], template) -> torch.Tensor:
+def _reference(records, theta0: torch.Tensor, dm, gone: set[int], template, momentum: float) -> torch.Tensor:
     model = copy.deepcopy(template)
     prev, prev_w = None, None
     for p, recs in enumerate(records, start=1):
@@ -97,7 +100,7 @@ def _reference(records, theta0: torch.Tensor, dm, gone: set[int], template) -> t
                     init = init + prev[ch] * torch.tensor(prev_w[ch] / w, dtype=torch.float64).float()
             state = init
             for r in range(rec.rounds if remaining else 0):
-                rows = [_local(model, state, dm, c, p, i, r) for c in remaining]
+                rows = [_local(model, state, dm, c, p, i, r, momentum) for c in remaining]
                 sizes = [len(dm.client_indices[c]) for c in remaining]
                 state = _fedavg_sum(rows, sizes) / torch.tensor(float(sum(sizes)))
             models.append(state)
@@ -106,24 +109,32 @@ def _reference(records, theta0: torch.Tensor, dm, gone: set[int], template) -> t
     return prev[0]
 
 
-@pytest.mark.parametrize("vectorize", ["never", "always"])
-def test_unlearned_model_equals_independent_from_scratch_fedavg(tmp_path, vectorize):
+@pytest.mark.parametrize(
+    ("vectorize", "momentum"),
+    [("never", 0.5), ("always", 0.5), ("always", 0.0)],  # plain SGD, stacked: the engine's lean path
+)
+def test_unlearned_model_equals_independent_from_scratch_fedavg(tmp_path, monkeypatch, vectorize, momentum):
+    lean_runs = []
+    real = stages_module.run_lean
+    monkeypatch.setattr(stages_module, "run_lean", lambda *a, **k: lean_runs.append(a[3]) or real(*a, **k))
     tr = _trainer(tmp_path, vectorize)
-    model, dm = _fresh()
+    model, dm = _fresh(momentum=momentum)
     tr.fit(model, dm)
     run = tr.run_dir
     names = [n for n, _ in model.named_parameters()]
     theta0 = torch.cat([tr.algorithm.theta0[n].reshape(-1) for n in names])  # the frozen tree's root
     for gone in ([3], [0, 6]):
         ut = _trainer(tmp_path, vectorize)
-        ut.unlearn(*_fresh(), str(run), gone)
+        lean_runs.clear()
+        ut.unlearn(*_fresh(momentum=momentum), str(run), gone)
+        assert bool(lean_runs) == (momentum == 0.0)  # a request's stages, through train_stages
         records = ut.algorithm.records
         applied = set(ut.algorithm.unlearned)
         got = load_file(str(run / "model.safetensors"))
-        ref_model, ref_dm = _fresh()
+        ref_model, ref_dm = _fresh(momentum=momentum)
         ref_dm.setup()
         ref_model.bind_data(ref_dm.input_shape, ref_dm.num_classes)
-        want = _reference(records, theta0, ref_dm, applied, ref_model)
+        want = _reference(records, theta0, ref_dm, applied, ref_model, momentum)
         flat = torch.cat([got[n].reshape(-1) for n in names])
         if vectorize == "never":  # the user's own step, one client at a time: the same float32 bits
             assert torch.equal(flat, want), float((flat - want).abs().max())

@@ -1,4 +1,4 @@
-"""Unlearning trains all affected shards of a stage in one engine call, and only those (issue 20)."""
+"""Unlearning trains all affected shards of a stage together, and only those, in one call per request (issue 20)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,16 @@ def test_one_engine_call_per_affected_stage_with_all_its_shards(run_root, monkey
         return real(self, init, groups, stage, *args, **kwargs)
 
     monkeypatch.setattr(FederatedEngine, "train_groups", counted)
+    sequences = []
+    real_stages = FederatedEngine.train_stages
+
+    def counted_stages(self, jobs, init_of):
+        sequences.append([(stage, [g.key for g in groups]) for stage, groups in jobs])
+        return real_stages(self, jobs, init_of)
+
+    monkeypatch.setattr(FederatedEngine, "train_stages", counted_stages)
     _, res = alg.what_if(alg.state_dict(), gone)
+    assert sequences == [calls], "the whole request is one train_stages call, one job per stage"
     assert [s for s, _ in calls] == sorted(want), "one call per stage with affected shards, bottom-up"
     assert {s: keys for s, keys in calls} == want, "every affected shard of a stage in that stage's call"
     assert any(len(keys) > 1 for _, keys in calls), "the request touches two shards of some stage"
