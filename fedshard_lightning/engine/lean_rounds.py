@@ -45,8 +45,8 @@ RoundHook = Callable[[RoundInfo, dict[str, Tensor]], Sequence[bool] | None]
 
 # A round's samples are gathered in one call when they take at most this much memory.
 _WHOLE_ROUND_BYTES = 16 << 20
-# An engine keeps at most _FRAMES segment frames (buffers and views by shape), each at most this big.
-_FRAME_BYTES = 16 << 20
+# An engine keeps at most _FRAMES segment frames (buffers and views by shape), of this many bytes in all.
+_FRAMES_BYTES = 64 << 20
 _FRAMES = 16
 
 
@@ -343,10 +343,9 @@ def _frame(seg: _Segment, gsz: np.ndarray, steps: np.ndarray, dev: torch.device)
     frame = frames.pop(key, None)  # taken out and put back last: the dict's order is recency
     if frame is None:
         frame = _Frame(seg, gsz, steps, dev)
-    if frame.nbytes <= _FRAME_BYTES:
-        frames[key] = frame
-        while len(frames) > _FRAMES:
-            del frames[next(iter(frames))]
+    frames[key] = frame
+    while len(frames) > _FRAMES or sum(f.nbytes for f in frames.values()) > _FRAMES_BYTES:
+        del frames[next(iter(frames))]  # the least recently used (this one last, if alone too big)
     return frame
 
 

@@ -208,3 +208,18 @@ def test_kept_frames_serve_later_calls_of_other_clients():
         _same(eng.train_groups(init, groups, stage=1), _general(eng, init, groups, stage=1))
         made.append({id(f) for f in eng.lean_frames.values()})
     assert made[0] and made[0] <= made[2] and len(made[2]) <= 2  # the third call took the first one's frame
+
+
+def test_frames_are_kept_within_their_budget(monkeypatch):
+    """Least recently used frames go first; a frame larger than the budget serves its call and is dropped."""
+    eng = _engine(k=12)
+    init = stack_params([eng.module_params()])
+    monkeypatch.setattr(lean_module, "_FRAMES", 2)
+    for n in (2, 3, 4):  # three shapes, two kept: the last two
+        groups = [Group(0, tuple(range(n)), 2)]
+        _same(eng.train_groups(init, groups, stage=1), _general(eng, init, groups, stage=1))
+    assert sorted(key[0] for key in eng.lean_frames) == [3, 4]
+    monkeypatch.setattr(lean_module, "_FRAMES_BYTES", 1)
+    groups = [Group(0, tuple(range(5)), 2)]
+    _same(eng.train_groups(init, groups, stage=1), _general(eng, init, groups, stage=1))
+    assert not eng.lean_frames
