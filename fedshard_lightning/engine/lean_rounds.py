@@ -39,7 +39,7 @@ from fedshard_lightning.engine.round_plan import RoundPlan
 if TYPE_CHECKING:
     from fedshard_lightning.engine.engine import FederatedEngine
 
-__all__ = ["RoundHook", "lean_eligible", "run_lean"]
+__all__ = ["RoundHook", "lean_eligible", "run_lean", "segment_span"]
 
 RoundHook = Callable[[RoundInfo, dict[str, Tensor]], Sequence[bool] | None]
 
@@ -61,6 +61,14 @@ def lean_eligible(engine: FederatedEngine, groups: Sequence[Group]) -> bool:
     if engine.invariant_block() is not None or fused_sgd_lr(local.spec) is None:
         return False
     return sum(len(g.clients) for g in groups) <= engine.chunk  # every round in one chunk
+
+
+def segment_span(
+    groups: Sequence[Group], r: int, stopped: Sequence[bool] | None = None
+) -> tuple[list[int], int]:
+    """The groups training from round ``r`` (with clients, not stopped) and the round their segment ends."""
+    active = [i for i, g in enumerate(groups) if r < g.rounds and g.clients and not (stopped and stopped[i])]
+    return active, min((groups[i].rounds for i in active), default=r)
 
 
 def run_lean(
@@ -91,10 +99,9 @@ def run_lean(
     r = 0
     with torch.no_grad():
         while r < max_rounds:
-            active = [i for i, g in enumerate(groups) if r < g.rounds and not stopped[i] and g.clients]
+            active, end = segment_span(groups, r, stopped)
             if not active:
                 break
-            end = min(groups[i].rounds for i in active)
             segment = _Segment(engine, state, layout, groups, active, stage, r)
             while r < end:
                 ran = segment.run(
@@ -203,13 +210,10 @@ class _Segment:
         """
         local, m = self.engine.local, self.m
         planned = local.plans.plan(self.clients, self.keys, self.stage, rounds)
-        _, gsz, steps = planned[0]
         v = self.frame
-        for p in planned if v is None else planned[:1]:  # sizes follow from the clients' sample counts
-            if not (
-                np.array_equal(p[1], gsz if v is None else v.gsz)
-                and np.array_equal(p[2], steps if v is None else v.steps)
-            ):
+        gsz, steps = (planned[0][1], planned[0][2]) if v is None else (v.gsz, v.steps)
+        for _, g, n in planned:  # sizes follow from the clients' sample counts: the same every round
+            if not (np.array_equal(g, gsz) and np.array_equal(n, steps)):
                 raise RuntimeError("batch sizes changed between rounds of the same participants")
         if v is None:
             v = self.frame = _frame(self, gsz, steps, flats[0].device)
@@ -258,10 +262,9 @@ class _Segment:
 
     def _average(self, flats: list[Tensor], v: _Frame) -> None:
         """Sample-weighted FedAvg of the leaves into the state rows of the active groups (GroupSums' bits)."""
-        for names, x, sums, flat, tree, wcol, avg_w in zip(
-            self.layout.kinds, v.xbuf, v.sums, flats, v.trees, self.wcol, self.avg_w
+        for parts, x, sums, flat, tree, wcol, avg_w in zip(
+            v.rows, v.xbuf, v.sums, flats, v.trees, self.wcol, self.avg_w
         ):
-            parts = [v.leaves[k].view(self.m, -1) for k in names]
             if x.numel() < _ONE_PASS:  # few elements: two or three calls cost less than one per tensor
                 if v.inverse is None:
                     torch.cat(parts, 1, out=x)
@@ -368,6 +371,7 @@ class _Frame:
             for names, dt in zip(layout.kinds, seg.dtypes)
             for k in names
         }
+        self.rows = [[self.leaves[k].view(m, -1) for k in names] for names in layout.kinds]  # [m, n] each
         # The sums read the participants' models as one [m, D] matrix per dtype, in participant order.
         self.xbuf = [
             torch.empty((m, sum(layout.numel[k] for k in names)), dtype=dt, device=dev)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from torch import Tensor
 
 from fedshard_lightning.engine.groups import Group, TrainResult
-from fedshard_lightning.engine.lean_rounds import lean_eligible, run_lean
+from fedshard_lightning.engine.lean_rounds import lean_eligible, run_lean, segment_span
 from fedshard_lightning.engine.plan_ahead import Request
 
 if TYPE_CHECKING:
@@ -66,10 +66,9 @@ def lean_requests(engine: FederatedEngine, groups: Sequence[Group], stage: int) 
     requests: list[Request] = []
     r, last = 0, max((g.rounds for g in groups), default=0)
     while r < last:
-        active = [i for i, g in enumerate(groups) if r < g.rounds and g.clients]
+        active, end = segment_span(groups, r)
         if not active:
             break
-        end = min(groups[i].rounds for i in active)
         parts = [engine.participants(stage, groups[i], r) for i in active]
         clients = [int(c) for p in parts for c in p]
         requests.append(
