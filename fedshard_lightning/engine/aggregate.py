@@ -27,7 +27,6 @@ __all__ = [
     "SumLayout",
     "block_plan",
     "cached_block_plan",
-    "mix_rows",
     "reduce_rows",
     "row_meta",
     "tree_sum",
@@ -336,46 +335,3 @@ def _pairwise(x: Tensor) -> Tensor:
         y = x[:, 0 : 2 * pairs : 2] + x[:, 1 : 2 * pairs : 2]
         x = torch.cat([y, x[:, -1:]], 1) if x.shape[1] % 2 else y
     return x[:, 0]
-
-
-def mix_rows(models: dict[str, Tensor], mixes: Sequence[Sequence[tuple[int, float]]]) -> dict[str, Tensor]:
-    """Rows ``sum_j w_j * models[i_j]`` for each list of (row, weight) pairs, in list order.
-
-    A shard's initial model (the weighted average of its children) must not depend on which other
-    shards are computed with it (all of them in ``fit`` and ``audit``, only the affected ones in
-    ``unlearn``); a matrix product over the rows would. Here each output row is accumulated
-    element-wise, term by term.
-
-    Args:
-        models: Stacked models [N, ...] by name.
-        mixes: For each output row, its (input row, weight) terms; weights are cast to the models' dtype.
-    """
-    n = len(mixes)
-    depth = max((len(m) for m in mixes), default=0)
-    terms = []  # per term position j: (rows picked, their weights, output rows): the same for every tensor
-    for j in range(depth):
-        sel = [i for i, m in enumerate(mixes) if len(m) > j]
-        terms.append(([mixes[i][j][0] for i in sel], [mixes[i][j][1] for i in sel], sel))
-    used = sorted({r for rows, _, _ in terms for r in rows})
-    at = {r: i for i, r in enumerate(used)}
-    kinds: dict[tuple[torch.dtype, torch.device], list[str]] = {}
-    for k, v in models.items():
-        kinds.setdefault((v.dtype, v.device), []).append(k)
-    out = {}
-    for (_, dev), names in kinds.items():  # all tensors of a dtype as one [rows, D] matrix
-        size = [math.prod(models[k].shape[1:]) for k in names]
-        if used:
-            used_t = torch.as_tensor(used, device=dev)
-            src = torch.cat([models[k].index_select(0, used_t).reshape(len(used), -1) for k in names], 1)
-        else:
-            src = models[names[0]].new_zeros((0, sum(size)))
-        acc = src.new_zeros((n, src.shape[1]))
-        for rows, w, sel in terms:  # element-wise, term by term: the bits of a sum per tensor
-            pick = torch.as_tensor([at[r] for r in rows], device=dev)
-            weight = torch.as_tensor(w, dtype=torch.float64).to(src).view(-1, 1)
-            acc.index_add_(0, torch.as_tensor(sel, device=dev), src.index_select(0, pick) * weight)
-        off = 0
-        for k, numel in zip(names, size):
-            out[k] = acc[:, off : off + numel].view(n, *models[k].shape[1:])
-            off += numel
-    return {k: out[k] for k in models}

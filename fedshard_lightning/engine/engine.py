@@ -121,6 +121,7 @@ class FederatedEngine:
         self._cuda = next(module.parameters()).device.type == "cuda"  # asked every round: once
         self.sum_plans: dict = {}  # GroupSums' block plans, by chunk layout (aggregate.py)
         self.lean_frames: dict = {}  # the lean path's buffers and views, by segment shape (lean_rounds.py)
+        self.lean_arena: dict = {}  # the memory those buffers share
         self._block: tuple[tuple, int | None] | None = None
         # Run eligible calls on the lean path (lean_rounds.py); False forces the general one (tests).
         self.lean_rounds = True

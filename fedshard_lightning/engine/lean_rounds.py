@@ -19,7 +19,6 @@ operators and their operands are those of the general path, so the results are t
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ from torch import Tensor
 
 from fedshard_lightning.engine.aggregate import _ONE_PASS, SumLayout, cached_block_plan
 from fedshard_lightning.engine.groups import Group, RoundInfo, TrainResult, check_finite
-from fedshard_lightning.engine.lean_sums import InPlaceSums
+from fedshard_lightning.engine.lean_frames import Frame, frame_for
 from fedshard_lightning.engine.optim import fused_sgd_lr
 from fedshard_lightning.engine.round_plan import RoundPlan
 
@@ -42,12 +41,6 @@ if TYPE_CHECKING:
 __all__ = ["RoundHook", "lean_eligible", "run_lean", "segment_span"]
 
 RoundHook = Callable[[RoundInfo, dict[str, Tensor]], Sequence[bool] | None]
-
-# A round's samples are gathered in one call when they take at most this much memory.
-_WHOLE_ROUND_BYTES = 16 << 20
-# An engine keeps at most _FRAMES segment frames (buffers and views by shape), of this many bytes in all.
-_FRAMES_BYTES = 64 << 20
-_FRAMES = 16
 
 
 def lean_eligible(engine: FederatedEngine, groups: Sequence[Group]) -> bool:
@@ -189,7 +182,7 @@ class _Segment:
         self.all_active = len(active) == len(groups)
         self.dtypes = tuple(state[names[0]].dtype for names in layout.kinds)
         self.recording = _Recording(self.plan, self.clients, self.owners, groups, stage, self.group_steps)
-        self.frame: _Frame | None = None  # taken by the first window (it follows from the batch sizes)
+        self.frame: Frame | None = None  # taken by the first window (it follows from the batch sizes)
         self.wcol: list[Tensor] = []  # per dtype: the participants' sample counts, a column
         self.avg_w: list[Tensor] = []  # per dtype: the active groups' sample totals, a column
 
@@ -216,7 +209,7 @@ class _Segment:
             if not (np.array_equal(g, gsz) and np.array_equal(n, steps)):
                 raise RuntimeError("batch sizes changed between rounds of the same participants")
         if v is None:
-            v = self.frame = _frame(self, gsz, steps, flats[0].device)
+            v = self.frame = frame_for(self, gsz, steps, flats[0].device)
             self.wcol = [self.chunk.samples.to(x.dtype).unsqueeze(1) for x in v.xbuf]
             self.avg_w = [self.plan.active_weight.to(x).unsqueeze(1) for x in v.xbuf]
         lay = v.lay
@@ -260,7 +253,7 @@ class _Segment:
                 deferred.append(partial(_record, self.recording, ordered, rounds, times, history))
         return len(rounds)
 
-    def _average(self, flats: list[Tensor], v: _Frame) -> None:
+    def _average(self, flats: list[Tensor], v: Frame) -> None:
         """Sample-weighted FedAvg of the leaves into the state rows of the active groups (GroupSums' bits)."""
         for parts, x, sums, flat, tree, wcol, avg_w in zip(
             v.rows, v.xbuf, v.sums, flats, v.trees, self.wcol, self.avg_w
@@ -328,71 +321,3 @@ def _record(
     ]
     history.extend(new)
     return new
-
-
-def _frame(seg: _Segment, gsz: np.ndarray, steps: np.ndarray, dev: torch.device) -> _Frame:
-    """The frame of a segment's shapes: the engine's kept one, or a new one (kept if small enough)."""
-    frames = seg.engine.lean_frames
-    key = (
-        seg.m,
-        len(seg.groups),
-        tuple(seg.owners),
-        gsz.shape,
-        gsz.tobytes(),
-        steps.tobytes(),
-        seg.dtypes,
-        dev,
-    )
-    frame = frames.pop(key, None)  # taken out and put back last: the dict's order is recency
-    if frame is None:
-        frame = _Frame(seg, gsz, steps, dev)
-    frames[key] = frame
-    while len(frames) > _FRAMES or sum(f.nbytes for f in frames.values()) > _FRAMES_BYTES:
-        del frames[next(iter(frames))]  # the least recently used (this one last, if alone too big)
-    return frame
-
-
-class _Frame:
-    """What follows from a segment's shapes alone: the step layout, the buffers and their views.
-
-    Not which clients train (only how many, in which groups, with which batch sizes), so the
-    stages of later requests, whose shards have the shapes of earlier ones, take it as it is:
-    every buffer is written before it is read in every round.
-    """
-
-    def __init__(self, seg: _Segment, gsz: np.ndarray, steps: np.ndarray, dev: torch.device) -> None:
-        local, m, layout = seg.engine.local, seg.m, seg.layout
-        self.gsz, self.steps = gsz, steps
-        lay = self.lay = local.layouts(gsz, steps, dev, True)
-        self.pick = seg.chunk.owners_t if lay.in_order else seg.chunk.owners_t.index_select(0, lay.order_t)
-        self.inverse = None if lay.in_order else torch.argsort(lay.order_t)
-        self.leaves = {
-            k: torch.empty((m, *layout.shapes[k]), dtype=dt, device=dev)
-            for names, dt in zip(layout.kinds, seg.dtypes)
-            for k in names
-        }
-        self.rows = [[self.leaves[k].view(m, -1) for k in names] for names in layout.kinds]  # [m, n] each
-        # The sums read the participants' models as one [m, D] matrix per dtype, in participant order.
-        self.xbuf = [
-            torch.empty((m, sum(layout.numel[k] for k in names)), dtype=dt, device=dev)
-            for names, dt in zip(layout.kinds, seg.dtypes)
-        ]
-        self.sums = [x.new_empty((len(seg.groups), x.shape[1])) for x in self.xbuf]
-        self.trees = [InPlaceSums(x, seg.block) for x in self.xbuf]
-        self.named = [
-            self.leaves if live == m else {k: t[:live] for k, t in self.leaves.items()} for live in lay.live
-        ]
-        self.ws = [lay.weight_all[s, :live] for s, live in enumerate(lay.live)]
-        dm = local.dm
-        shape = (lay.s_max, m, local.schedule.batch_size)
-        sample = dm.train_x[0].numel() * torch.finfo(local.dtype).bits // 8
-        self.batch: tuple[Tensor, Tensor] | None = None
-        self.xs: list[Tensor] = []
-        self.ys: list[Tensor] = []
-        if math.prod(shape) * sample <= _WHOLE_ROUND_BYTES:
-            x_like, y_like = dm.gather(torch.zeros((1,), dtype=torch.int64, device=dev), local.dtype)
-            self.batch = (x_like.new_empty((*shape, *x_like.shape[1:])), y_like.new_empty(shape))
-            self.xs = [self.batch[0][s, :live] for s, live in enumerate(lay.live)]
-            self.ys = [self.batch[1][s, :live] for s, live in enumerate(lay.live)]
-        tensors = [*self.leaves.values(), *self.xbuf, *self.sums, *(self.batch or ())]
-        self.nbytes = sum(t.numel() * t.element_size() for t in tensors)

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from fedshard_lightning.engine import Group, RoundInfo, TrainResult
-from fedshard_lightning.engine.aggregate import mix_rows
+from fedshard_lightning.engine.mix_rows import mix_rows
 from fedshard_lightning.errors import ConfigError
 from fedshard_lightning.sharding import (
     A1Merge,
@@ -193,8 +193,12 @@ class FedShard(ShardCosts, ShardCache, Algorithm):
         records: Sequence[ShardRecord],
         prev: dict[str, Tensor] | None,
         prev_records: Sequence[ShardRecord] | None,
+        fresh: tuple[Sequence[int], dict[str, Tensor]] | None = None,
     ) -> dict[str, Tensor]:
-        """Initial models [N, ...] of the given shards of ``stage``: weighted average of their live children."""
+        """Initial models [N, ...] of the given shards of ``stage``: weighted average of their live children.
+
+        ``fresh``: children retrained by this request, read from there (see :func:`.mix_rows`).
+        """
         n = len(records)
         if stage == 1:
             return {k: v.unsqueeze(0).expand(n, *v.shape).clone() for k, v in self.theta0.items()}
@@ -203,7 +207,7 @@ class FedShard(ShardCosts, ShardCache, Algorithm):
             live = [ch for ch in rec.children if not prev_records[ch].empty]
             total = sum(prev_records[ch].weight for ch in live)
             mixes.append([(ch, prev_records[ch].weight / max(total, 1e-300)) for ch in live])
-        return mix_rows(prev, mixes)
+        return mix_rows(prev, mixes, fresh)
 
     def _train_stage(
         self, stage: int, init: dict[str, Tensor], groups: list[Group], report: bool
@@ -320,40 +324,37 @@ class FedShard(ShardCosts, ShardCache, Algorithm):
         the whole replay is one engine call (:meth:`train_stages`); each stage starts from the
         re-averaged models of its children, retrained by the stage before.
         """
-        records = [[replace(r) for r in recs] for recs in self.records]
-        models = [dict(m) for m in self.models]
+        records = [list(recs) for recs in self.records]  # a record is copied where it changes
+        models = list(self.models)  # a stage's models are replaced, never written to
         jobs: list[tuple[int, list[Group]]] = []
         shards: list[list[int]] = []
         for p, (weights, hit) in enumerate(self.live_shards(len(records), gone), start=1):
             recs = records[p - 1]
             for i, rec in enumerate(recs):
-                rec.remaining, rec.weight = hit.get(i, rec.clients), weights[i]
+                remaining, weight = hit.get(i, rec.clients), weights[i]
+                if remaining != rec.remaining or weight != rec.weight:
+                    recs[i] = replace(rec, remaining=remaining, weight=weight)
             idx = [
                 i for i in range(len(recs)) if (only is None or i in only.get(p, ())) and not recs[i].empty
             ]
             if idx:
                 jobs.append((p, [Group(i, tuple(recs[i].remaining), recs[i].rounds) for i in idx]))
                 shards.append(idx)
-
-        def put(j: int, res: TrainResult) -> None:  # job j's retrained shards into its stage's models
-            p = jobs[j][0]
-            idx_t = torch.as_tensor(shards[j], device=next(iter(res.params.values())).device)
-            models[p - 1] = {
-                k: v.clone().index_copy_(0, idx_t, res.params[k]) for k, v in models[p - 1].items()
-            }
+        fresh: dict[int, tuple[list[int], dict[str, Tensor]]] = {}  # stage -> retrained shards, models
 
         def init_of(j: int, results: list[TrainResult]) -> dict[str, Tensor]:
-            if j:
-                put(j - 1, results[j - 1])
+            if j:  # read from the results: no copy of a whole stage between two trainings
+                fresh[jobs[j - 1][0]] = (shards[j - 1], results[j - 1].params)
             p = jobs[j][0]
             sub = [records[p - 1][i] for i in shards[j]]
-            return self._children_average(
-                p, sub, models[p - 2] if p > 1 else None, records[p - 2] if p > 1 else None
-            )
+            if p == 1:
+                return self._children_average(p, sub, None, None)
+            return self._children_average(p, sub, models[p - 2], records[p - 2], fresh.get(p - 1))
 
         results = self.train_stages(jobs, init_of)
-        if results:
-            put(len(results) - 1, results[-1])
+        for (p, _), idx, res in zip(jobs, shards, results):  # the retrained shards into their stages
+            idx_t = torch.as_tensor(idx, device=next(iter(res.params.values())).device)
+            models[p - 1] = {k: v.index_copy(0, idx_t, res.params[k]) for k, v in models[p - 1].items()}
         retrained = [(p, i) for (p, _), idx in zip(jobs, shards) for i in idx]
         return records, models, sum(r.client_steps for r in results), retrained
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fedshard_lightning.engine import aggregate
-from fedshard_lightning.engine.aggregate import BLOCK, GroupSums, mix_rows
+from fedshard_lightning.engine.aggregate import BLOCK, GroupSums
 
 
 def _reference(rows: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
@@ -92,24 +92,3 @@ def test_several_tensors_sum_like_each_alone(monkeypatch, one_pass, columns):
             for g, (lo, hi) in enumerate([(0, sizes[0]), (sizes[0], sum(sizes))]):
                 want = _reference(list(rows[0][k][lo:hi]), weights[lo:hi].tolist())
                 assert torch.equal(got[k][g], want), (chunk, k, g)
-
-
-def test_mix_rows_is_termwise_and_subset_invariant():
-    gen = torch.Generator().manual_seed(0)
-    models = {
-        "w": torch.randn(5, 3, 2, generator=gen),
-        "s": torch.randn(5, generator=gen),  # a scalar per row
-        "d": torch.randn(5, 4, generator=gen, dtype=torch.float64),
-        "b": torch.randn(5, 2, generator=gen),
-    }
-    mixes = [[(0, 0.25), (3, 0.75)], [(1, 1 / 3), (2, 1 / 3), (4, 1 / 3)], []]
-    out = mix_rows(models, mixes)
-    assert list(out) == list(models)
-    for k, v in models.items():
-        for i, mix in enumerate(mixes):
-            want = torch.zeros(v.shape[1:], dtype=v.dtype)
-            for row, w in mix:
-                want = want + v[row] * torch.tensor(w, dtype=torch.float64).to(v.dtype)
-            assert out[k][i].shape == want.shape and torch.equal(out[k][i], want)
-            assert torch.equal(mix_rows(models, [mix])[k][0], out[k][i])  # computed alone: same bits
-    assert all(torch.equal(v, torch.zeros_like(v[:0])) for v in mix_rows(models, []).values())

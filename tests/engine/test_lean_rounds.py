@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fedshard_lightning.engine import FederatedEngine, Group, LocalSchedule, stack_params
+from fedshard_lightning.engine import lean_frames as frames_module
 from fedshard_lightning.engine import lean_rounds as lean_module
 from fedshard_lightning.engine.lean_rounds import lean_eligible
 from fedshard_lightning.errors import NonFiniteLossError
@@ -214,12 +215,38 @@ def test_frames_are_kept_within_their_budget(monkeypatch):
     """Least recently used frames go first; a frame larger than the budget serves its call and is dropped."""
     eng = _engine(k=12)
     init = stack_params([eng.module_params()])
-    monkeypatch.setattr(lean_module, "_FRAMES", 2)
-    for n in (2, 3, 4):  # three shapes, two kept: the last two
+    monkeypatch.setattr(frames_module, "_FRAMES", 2)
+    for n in (4, 3, 2):  # three shapes, two kept: the last two
         groups = [Group(0, tuple(range(n)), 2)]
         _same(eng.train_groups(init, groups, stage=1), _general(eng, init, groups, stage=1))
-    assert sorted(key[0] for key in eng.lean_frames) == [3, 4]
-    monkeypatch.setattr(lean_module, "_FRAMES_BYTES", 1)
+    assert sorted(key[0] for key in eng.lean_frames) == [2, 3]
+    monkeypatch.setattr(frames_module, "_FRAMES_BYTES", 1)
     groups = [Group(0, tuple(range(5)), 2)]
     _same(eng.train_groups(init, groups, stage=1), _general(eng, init, groups, stage=1))
     assert not eng.lean_frames
+
+
+def test_frames_share_memory_and_keep_their_results():
+    """Frames of other shapes overlap in the engine's blocks; a frame taken again after another wrote there still gives the general path's bits."""
+    eng = _engine(k=12)
+    init = stack_params([eng.module_params()])
+    kept = []
+    for n in (3, 5, 3, 5):
+        groups = [Group(0, tuple(range(n)), 2)]
+        _same(eng.train_groups(init, groups, stage=1), _general(eng, init, groups, stage=1))
+        kept.append(sorted(key[0] for key in eng.lean_frames))
+    # The block grew for 5 clients, so the frame of 3 was dropped, then made again in the new block.
+    assert kept == [[3], [5], [3, 5], [3, 5]]
+    starts = {next(iter(f.leaves.values())).data_ptr() for f in eng.lean_frames.values()}
+    (block,) = [b for (dt, _), b in eng.lean_arena.items() if dt == torch.float32]
+    assert starts == {block.data_ptr()}  # both laid out from the start of the same block
+
+
+def test_a_frame_over_the_budget_gets_memory_of_its_own(monkeypatch):
+    """Memory is not kept for a frame that is not kept."""
+    eng = _engine(k=12)
+    init = stack_params([eng.module_params()])
+    monkeypatch.setattr(frames_module, "_FRAMES_BYTES", 1)
+    groups = [Group(0, (0, 1, 2), 2)]
+    _same(eng.train_groups(init, groups, stage=1), _general(eng, init, groups, stage=1))
+    assert not eng.lean_frames and not eng.lean_arena

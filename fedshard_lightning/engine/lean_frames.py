@@ -1,0 +1,131 @@
+"""The lean path's frames: a segment's buffers and views, kept by shape, in memory the frames share.
+
+A frame holds what follows from a segment's shapes alone (the step layout; the participants'
+models, the sums' matrices and the round's batches; their views), so a later segment of the same
+shapes (the same stage of the next unlearning request) takes it as it is. The frames of an engine
+carve their buffers from one block per dtype (:class:`_Carve`): a segment uses its frame alone and
+writes every buffer before reading it, so frames may overlap, and each stage of a request trains
+in memory the stage before it has just used (still in cache) rather than in a cold copy of its own.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from fedshard_lightning.engine.lean_sums import InPlaceSums
+
+if TYPE_CHECKING:
+    from fedshard_lightning.engine.engine import FederatedEngine
+    from fedshard_lightning.engine.lean_rounds import _Segment
+
+__all__ = ["Frame", "frame_for"]
+
+# A round's samples are gathered in one call when they take at most this much memory.
+_WHOLE_ROUND_BYTES = 16 << 20
+# An engine keeps at most _FRAMES segment frames (buffers and views by shape), of this many bytes in all.
+_FRAMES_BYTES = 64 << 20
+_FRAMES = 16
+
+
+def frame_for(seg: _Segment, gsz: np.ndarray, steps: np.ndarray, dev: torch.device) -> Frame:
+    """The frame of a segment's shapes: the engine's kept one, or a new one (kept if small enough)."""
+    frames = seg.engine.lean_frames
+    key = (
+        seg.m,
+        len(seg.groups),
+        tuple(seg.owners),
+        gsz.shape,
+        gsz.tobytes(),
+        steps.tobytes(),
+        seg.dtypes,
+        dev,
+    )
+    frame = frames.pop(key, None)  # taken out and put back last: the dict's order is recency
+    if frame is None:
+        frame = Frame(seg, gsz, steps, dev)
+    frames[key] = frame
+    while len(frames) > _FRAMES or sum(f.nbytes for f in frames.values()) > _FRAMES_BYTES:
+        del frames[next(iter(frames))]  # the least recently used (this one last, if alone too big)
+    return frame
+
+
+class Frame:
+    """What follows from a segment's shapes alone: the step layout, the buffers and their views.
+
+    Not which clients train (only how many, in which groups, with which batch sizes), so the
+    stages of later requests, whose shards have the shapes of earlier ones, take it as it is:
+    every buffer is written before it is read in every round.
+    """
+
+    def __init__(self, seg: _Segment, gsz: np.ndarray, steps: np.ndarray, dev: torch.device) -> None:
+        local, m, layout = seg.engine.local, seg.m, seg.layout
+        self.gsz, self.steps = gsz, steps
+        lay = self.lay = local.layouts(gsz, steps, dev, True)
+        self.pick = seg.chunk.owners_t if lay.in_order else seg.chunk.owners_t.index_select(0, lay.order_t)
+        self.inverse = None if lay.in_order else torch.argsort(lay.order_t)
+        dm = local.dm
+        widths = [sum(layout.numel[k] for k in names) for names in layout.kinds]
+        specs: dict[object, tuple[tuple[int, ...], torch.dtype]] = {
+            k: ((m, *layout.shapes[k]), dt) for names, dt in zip(layout.kinds, seg.dtypes) for k in names
+        }
+        for i, (d, dt) in enumerate(zip(widths, seg.dtypes)):
+            specs[("x", i)] = ((m, d), dt)  # the participants' models as one [m, D] matrix, for the sums
+            specs[("sums", i)] = ((len(seg.groups), d), dt)
+        shape = (lay.s_max, m, local.schedule.batch_size)
+        sample = dm.train_x[0].numel() * torch.finfo(local.dtype).bits // 8
+        whole = math.prod(shape) * sample <= _WHOLE_ROUND_BYTES  # the round's batches in one gather
+        if whole:
+            x_like, y_like = dm.gather(torch.zeros((1,), dtype=torch.int64, device=dev), local.dtype)
+            specs["batch_x"] = ((*shape, *x_like.shape[1:]), x_like.dtype)
+            specs["batch_y"] = (shape, y_like.dtype)
+        bufs = _carve(seg.engine, specs, dev)
+        self.nbytes = sum(t.numel() * t.element_size() for t in bufs.values())
+        self.leaves = {k: bufs[k] for names in layout.kinds for k in names}
+        self.rows = [[self.leaves[k].view(m, -1) for k in names] for names in layout.kinds]  # [m, n] each
+        self.xbuf = [bufs[("x", i)] for i in range(len(widths))]
+        self.sums = [bufs[("sums", i)] for i in range(len(widths))]
+        self.trees = [InPlaceSums(x, seg.block) for x in self.xbuf]
+        self.named = [
+            self.leaves if live == m else {k: t[:live] for k, t in self.leaves.items()} for live in lay.live
+        ]
+        self.ws = [lay.weight_all[s, :live] for s, live in enumerate(lay.live)]
+        self.batch: tuple[Tensor, Tensor] | None = (bufs["batch_x"], bufs["batch_y"]) if whole else None
+        self.xs = [bufs["batch_x"][s, :live] for s, live in enumerate(lay.live)] if whole else []
+        self.ys = [bufs["batch_y"][s, :live] for s, live in enumerate(lay.live)] if whole else []
+
+
+def _carve(
+    engine: FederatedEngine, specs: dict[object, tuple[tuple[int, ...], torch.dtype]], dev: torch.device
+) -> dict[object, Tensor]:
+    """Buffers of these shapes and dtypes, laid out from the start of the engine's block of each dtype.
+
+    Every frame starts at offset 0, so the frames overlap (see the module docstring). A block grows
+    to the largest frame kept, and the frames laid out in the smaller one are dropped then (to be
+    made again in the new one), so that all kept frames share one block; a frame over the whole
+    budget gets memory of its own, freed with it.
+    """
+    arena = engine.lean_arena
+    offsets: dict[object, int] = {}
+    need: dict[torch.dtype, int] = {}
+    for name, (shape, dt) in specs.items():
+        offsets[name] = need.get(dt, 0)
+        need[dt] = offsets[name] + -(-max(math.prod(shape), 1) // 16) * 16  # 64-byte aligned starts
+    private = sum(n * torch.empty((), dtype=dt).element_size() for dt, n in need.items()) > _FRAMES_BYTES
+    blocks = {}
+    for dt, n in need.items():
+        block = None if private else arena.get((dt, dev))
+        if block is None or block.numel() < n:
+            block = torch.empty(n, dtype=dt, device=dev)
+            if not private:
+                arena[(dt, dev)] = block
+                engine.lean_frames.clear()
+        blocks[dt] = block
+    return {
+        name: blocks[dt][offsets[name] : offsets[name] + math.prod(shape)].view(shape)
+        for name, (shape, dt) in specs.items()
+    }
