@@ -3,7 +3,7 @@
 A frame holds what follows from a segment's shapes alone (the step layout; the participants'
 models, the sums' matrices and the round's batches; their views), so a later segment of the same
 shapes (the same stage of the next unlearning request) takes it as it is. The frames of an engine
-carve their buffers from one block per dtype (:class:`_Carve`): a segment uses its frame alone and
+carve their buffers from one block per dtype (:func:`_carve`): a segment uses its frame alone and
 writes every buffer before reading it, so frames may overlap, and each stage of a request trains
 in memory the stage before it has just used (still in cache) rather than in a cold copy of its own.
 """
@@ -115,7 +115,7 @@ def _carve(
     for name, (shape, dt) in specs.items():
         offsets[name] = need.get(dt, 0)
         need[dt] = offsets[name] + -(-max(math.prod(shape), 1) // 16) * 16  # 64-byte aligned starts
-    private = sum(n * torch.empty((), dtype=dt).element_size() for dt, n in need.items()) > _FRAMES_BYTES
+    private = sum(n * dt.itemsize for dt, n in need.items()) > _FRAMES_BYTES
     blocks = {}
     for dt, n in need.items():
         block = None if private else arena.get((dt, dev))

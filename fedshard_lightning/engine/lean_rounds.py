@@ -10,7 +10,8 @@ parameters, when every round of a segment has the same participants (full partic
 chunk and the local step is the hand-written chain with plain SGD fused into its backward. Per
 segment of rounds with the same active groups it makes once what the general path remakes every
 round: the batch plans of all its rounds (one vectorized call), the step layout, the index
-tensors, the parameter and sum buffers and the block plan of the sums. A round is then the chain
+tensors, the parameter and sum buffers (kept by shape, :mod:`.lean_frames`) and the block plan of
+the sums. A round is then the chain
 steps, one weighted sum and one row copy per dtype. Unwatched rounds (no ``on_round_end``) check
 their losses once per window; watched ones get their record and hook after every round. The
 operators and their operands are those of the general path, so the results are the same bits
