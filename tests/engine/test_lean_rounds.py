@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from _tiny import tiny_data
@@ -250,3 +252,24 @@ def test_a_frame_over_the_budget_gets_memory_of_its_own(monkeypatch):
     groups = [Group(0, (0, 1, 2), 2)]
     _same(eng.train_groups(init, groups, stage=1), _general(eng, init, groups, stage=1))
     assert not eng.lean_frames and not eng.lean_arena
+
+
+def test_one_engine_through_many_shapes_keeps_its_frames_in_one_block(monkeypatch):
+    """Calls of random shapes in a row (the block grows, frames are dropped and made again): each gives the general path's bits, and every kept frame lies in the current block."""
+    eng = _engine(k=12)
+    rng = random.Random(0)
+    monkeypatch.setattr(frames_module, "_FRAMES", 4)
+    for _ in range(30):
+        n_groups = rng.randint(1, 3)
+        clients = rng.sample(range(12), rng.randint(n_groups, 12))
+        cuts = sorted(rng.sample(range(1, len(clients)), n_groups - 1))
+        parts = [clients[a:b] for a, b in zip([0, *cuts], [*cuts, len(clients)])]
+        groups = [Group(i, tuple(p), rng.randint(1, 3)) for i, p in enumerate(parts)]
+        init = stack_params([eng.module_params()] * n_groups)
+        stage = rng.randint(1, 3)
+        _same(eng.train_groups(init, groups, stage=stage), _general(eng, init, groups, stage=stage))
+        blocks = {dt: b for (dt, _), b in eng.lean_arena.items()}
+        for frame in eng.lean_frames.values():
+            for t in frame.leaves.values():
+                b = blocks[t.dtype]
+                assert b.data_ptr() <= t.data_ptr() < b.data_ptr() + b.numel() * b.element_size()
