@@ -213,19 +213,20 @@ class FederatedDataModule(RecordsInitArgs, L.LightningDataModule):
         """
         own = self._normalised(dtype)
         flat = indices.reshape(-1)  # index_select: about half the time of advanced indexing
-        if out is not None:
-            x_out, y_out = out
-            torch.index_select(self.train_y, 0, flat, out=y_out.view(-1))
-            if own is not None:
-                torch.index_select(own, 0, flat, out=x_out.view(-1, *own.shape[1:]))
-            else:
-                x_out.copy_(self.gather(indices, dtype)[0])
-            return x_out, y_out
-        y = self.train_y.index_select(0, flat).view(indices.shape)
+        if out is None:
+            y = self.train_y.index_select(0, flat).view(indices.shape)
+        else:
+            x_out, y = out
+            torch.index_select(self.train_y, 0, flat, out=y.view(-1))
         if own is not None:
-            return own.index_select(0, flat).view(*indices.shape, *own.shape[1:]), y
-        x = self.train_x.index_select(0, flat).view(*indices.shape, *self.train_x.shape[1:])
-        return self.transform(x, dtype), y
+            if out is None:
+                return own.index_select(0, flat).view(*indices.shape, *own.shape[1:]), y
+            torch.index_select(own, 0, flat, out=x_out.view(-1, *own.shape[1:]))
+            return x_out, y
+        x = self.transform(
+            self.train_x.index_select(0, flat).view(*indices.shape, *self.train_x.shape[1:]), dtype
+        )
+        return (x, y) if out is None else (x_out.copy_(x), y)
 
     def _normalised(self, dtype: torch.dtype) -> Tensor | None:
         """The whole training set normalised, kept while ``train_x`` is the same unmodified tensor."""

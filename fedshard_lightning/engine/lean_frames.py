@@ -20,21 +20,28 @@ from torch import Tensor
 from fedshard_lightning.engine.lean_sums import InPlaceSums
 
 if TYPE_CHECKING:
-    from fedshard_lightning.engine.engine import FederatedEngine
     from fedshard_lightning.engine.lean_rounds import _Segment
 
 __all__ = ["Frame", "frame_for"]
 
 # A round's samples are gathered in one call when they take at most this much memory.
 _WHOLE_ROUND_BYTES = 16 << 20
-# An engine keeps at most _FRAMES segment frames (buffers and views by shape), of this many bytes in all.
+# An engine keeps at most _FRAMES segment frames (buffers and views by shape), sharing blocks of this many
+# bytes in all.
 _FRAMES_BYTES = 64 << 20
 _FRAMES = 16
 
 
 def frame_for(seg: _Segment, gsz: np.ndarray, steps: np.ndarray, dev: torch.device) -> Frame:
-    """The frame of a segment's shapes: the engine's kept one, or a new one (kept if small enough)."""
-    frames = seg.engine.lean_frames
+    """The frame of a segment's shapes: the engine's kept one, or a new one.
+
+    A new frame laid out in a grown block drops the kept ones (they lie in the old block); one with
+    memory of its own (over the budget) serves its segment and is not kept.
+    """
+    frames, arena = seg.engine.lean_frames, seg.engine.lean_arena
+    if sum(b.numel() * b.element_size() for b in arena.values()) > _FRAMES_BYTES:  # the budget was lowered
+        frames.clear()
+        arena.clear()
     key = (
         seg.m,
         len(seg.groups),
@@ -48,9 +55,13 @@ def frame_for(seg: _Segment, gsz: np.ndarray, steps: np.ndarray, dev: torch.devi
     frame = frames.pop(key, None)  # taken out and put back last: the dict's order is recency
     if frame is None:
         frame = Frame(seg, gsz, steps, dev)
+        if frame.placed == "grown":
+            frames.clear()
+    if frame.placed == "own":
+        return frame
     frames[key] = frame
-    while len(frames) > _FRAMES or sum(f.nbytes for f in frames.values()) > _FRAMES_BYTES:
-        del frames[next(iter(frames))]  # the least recently used (this one last, if alone too big)
+    while len(frames) > _FRAMES:
+        del frames[next(iter(frames))]  # the least recently used
     return frame
 
 
@@ -83,8 +94,7 @@ class Frame:
             x_like, y_like = dm.gather(torch.zeros((1,), dtype=torch.int64, device=dev), local.dtype)
             specs["batch_x"] = ((*shape, *x_like.shape[1:]), x_like.dtype)
             specs["batch_y"] = (shape, y_like.dtype)
-        bufs = _carve(seg.engine, specs, dev)
-        self.nbytes = sum(t.numel() * t.element_size() for t in bufs.values())
+        bufs, self.placed = _carve(seg.engine.lean_arena, specs, dev)
         self.leaves = {k: bufs[k] for names in layout.kinds for k in names}
         self.rows = [[self.leaves[k].view(m, -1) for k in names] for names in layout.kinds]  # [m, n] each
         self.xbuf = [bufs[("x", i)] for i in range(len(widths))]
@@ -100,32 +110,35 @@ class Frame:
 
 
 def _carve(
-    engine: FederatedEngine, specs: dict[object, tuple[tuple[int, ...], torch.dtype]], dev: torch.device
-) -> dict[object, Tensor]:
-    """Buffers of these shapes and dtypes, laid out from the start of the engine's block of each dtype.
+    arena: dict[tuple[torch.dtype, torch.device], Tensor],
+    specs: dict[object, tuple[tuple[int, ...], torch.dtype]],
+    dev: torch.device,
+) -> tuple[dict[object, Tensor], str]:
+    """Buffers of these shapes and dtypes, laid out from the start of the arena's block of each dtype.
 
-    Every frame starts at offset 0, so the frames overlap (see the module docstring). A block grows
-    to the largest frame kept, and the frames laid out in the smaller one are dropped then (to be
-    made again in the new one), so that all kept frames share one block; a frame over the whole
-    budget gets memory of its own, freed with it.
+    Every frame starts at offset 0, so the frames overlap (see the module docstring). Returns the
+    buffers and where they lie: ``"shared"`` (in the blocks as they were), ``"grown"`` (a block
+    grew to hold them: frames laid out in the old one no longer share memory with the rest) or
+    ``"own"`` (over the whole budget: memory of their own, freed with the frame). So the arena
+    never holds more than the budget.
     """
-    arena = engine.lean_arena
     offsets: dict[object, int] = {}
     need: dict[torch.dtype, int] = {}
     for name, (shape, dt) in specs.items():
         offsets[name] = need.get(dt, 0)
         need[dt] = offsets[name] + -(-max(math.prod(shape), 1) // 16) * 16  # 64-byte aligned starts
-    private = sum(n * dt.itemsize for dt, n in need.items()) > _FRAMES_BYTES
+    placed = "own" if sum(n * dt.itemsize for dt, n in need.items()) > _FRAMES_BYTES else "shared"
     blocks = {}
     for dt, n in need.items():
-        block = None if private else arena.get((dt, dev))
+        block = None if placed == "own" else arena.get((dt, dev))
         if block is None or block.numel() < n:
             block = torch.empty(n, dtype=dt, device=dev)
-            if not private:
+            if placed != "own":
                 arena[(dt, dev)] = block
-                engine.lean_frames.clear()
+                placed = "grown"
         blocks[dt] = block
-    return {
+    bufs = {
         name: blocks[dt][offsets[name] : offsets[name] + math.prod(shape)].view(shape)
         for name, (shape, dt) in specs.items()
     }
+    return bufs, placed

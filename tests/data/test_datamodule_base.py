@@ -110,6 +110,26 @@ def test_a_subclass_transform_runs_on_every_gather():
     assert dm.calls == 2
 
 
+@pytest.mark.parametrize("transformed", [False, True])
+def test_gather_into_buffers_writes_the_formula_there(transformed):
+    """``gather(..., out=)`` fills and returns the given buffers, from the normalised copy or through a transform."""
+
+    class Flip(_UInt8Images):
+        def transform(self, x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return super().transform(x, dtype).flip(-1)
+
+    cls = Flip if transformed else _UInt8Images
+    dm = cls(num_samples=20, num_test=4, shape=(3, 4, 4), as_uint8=True, num_clients=2, partition="iid")
+    dm.setup()
+    idx = torch.tensor([[1, 2, 2], [19, 0, 5]])
+    out = (torch.full((2, 3, 3, 4, 4), float("nan")), torch.full((2, 3), -1, dtype=dm.train_y.dtype))
+    x, y = dm.gather(idx, torch.float32, out=out)
+    assert x is out[0] and y is out[1]
+    want = _formula(dm, idx, torch.float32)
+    assert torch.equal(x, want.flip(-1) if transformed else want)
+    assert torch.equal(y, dm.train_y[idx])
+
+
 def test_float_data_without_mean_passes_through():
     dm = SyntheticDataModule(num_samples=30, num_test=5, num_clients=2, partition="iid")
     dm.setup()
