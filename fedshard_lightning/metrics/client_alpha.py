@@ -63,7 +63,9 @@ def client_probe_updates(
         clients: Clients to probe, default all ``K`` clients of the partition.
 
     Returns:
-        One row per client, ``theta_c - theta_ref`` flattened in sorted parameter order.
+        One row per client, ``theta_c - theta_ref`` over the trainable parameters, flattened in
+        sorted name order. BatchNorm running statistics are left out (SPEC section 4): they are
+        not learned, and their scale would tilt the angle.
     """
     alg = _algorithm(source)
     engine = alg.engine
@@ -76,7 +78,10 @@ def client_probe_updates(
     init = {k: v.unsqueeze(0).expand(len(ids), *v.shape).clone() for k, v in ref.items()}
     groups = [Group(c, (c,), 1) for c in ids]
     res = engine.train_groups(init, groups, stage=PROBE_STAGE)
-    return flatten_update(res.params, ref, stacked=True, dtype=torch.float64)
+    names = [k for k in engine.names if k in ref]  # SPEC 4: trainable parameters, no BN statistics
+    return flatten_update(
+        {k: res.params[k] for k in names}, {k: ref[k] for k in names}, stacked=True, dtype=torch.float64
+    )
 
 
 def client_alphas(

@@ -276,7 +276,13 @@ class FedShard(ShardCosts, ShardCache, Algorithm):
             res = self._train_stage(stage, init, groups, report=True)
             for rec, used in zip(records, res.rounds_run):
                 rec.rounds = int(used)
-            updates = flatten_update(res.params, init, stacked=True, dtype=torch.float64)
+            names = [k for k in self.engine.names if k in res.params]  # SPEC 4: no BN statistics
+            updates = flatten_update(
+                {k: res.params[k] for k in names},
+                {k: init[k] for k in names},
+                stacked=True,
+                dtype=torch.float64,
+            )
             w = torch.tensor([r.weight for r in records], dtype=torch.float64, device=updates.device)
             alphas = signed_angles(updates, w) if len(records) > 1 else torch.zeros(1, dtype=torch.float64)
             for rec, a in zip(records, alphas.tolist()):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from _angles import numpy_signed_angles
 from threadpoolctl import threadpool_limits
 
 from fedshard_lightning.data import SyntheticDataModule
@@ -51,18 +52,6 @@ def fitted(tmp_path_factory):
     )
     trainer.fit(MLP(hidden=(7,), lr=0.1, momentum=0.5), dm)
     return trainer
-
-
-def numpy_signed_angles(u: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """SPEC section 4 written out with numpy: arccos angle, sign from the principal residual."""
-    g = (w[:, None] * u).sum(0) / w.sum()
-    cos = (u @ g) / (np.linalg.norm(u, axis=1) * np.linalg.norm(g))
-    angle = np.arccos(np.clip(cos, -1.0, 1.0))
-    r = u - np.outer(u @ g / (g @ g), g)
-    e = np.linalg.svd(r, full_matrices=False)[2][0]
-    if e[np.argmax(np.abs(e))] < 0:
-        e = -e
-    return np.where(r @ e >= 0, angle, -angle)
 
 
 def test_client_alphas_match_a_per_client_loop_and_numpy(fitted):
@@ -115,3 +104,38 @@ def test_per_client_accuracy_matches_a_loop(fitted, split):
 def test_per_client_accuracy_rejects_unknown_split(fitted):
     with pytest.raises(ValueError, match="split"):
         per_client_accuracy(fitted.module, fitted.algorithm.current_params(), fitted.datamodule, split="test")
+
+
+def test_client_alphas_leave_batchnorm_statistics_out(tmp_path):
+    """SPEC section 4: the update is over the trainable parameters; running statistics are not in it."""
+    from _models import BNDropoutCNN
+
+    dm = SyntheticDataModule(
+        num_clients=K, partition="dirichlet", rho=0.5, min_client_size=5, num_samples=96, num_test=30,
+        shape=(1, 8, 8), num_classes_=3, as_uint8=True,
+    )  # fmt: skip
+    trainer = FederatedTrainer(
+        algorithm=FedShard(rounds="fixed", fixed_rounds=2, batch_size=5),
+        precision="64-true",
+        default_root_dir=str(tmp_path),
+        enable_progress_bar=False,
+        eval_every_n_rounds=0,
+        vectorize="always",
+    )
+    torch.manual_seed(0)
+    trainer.fit(BNDropoutCNN(lr=0.1), dm)
+    alg = trainer.algorithm
+    trainable = sorted(n for n, p in trainer.module.named_parameters() if p.requires_grad)
+    ref = alg.current_params()
+    assert set(ref) > set(trainable)  # the state carries the BatchNorm buffers too
+    rows = []
+    for c in range(K):
+        init = {k: v.unsqueeze(0).clone() for k, v in ref.items()}
+        res = alg.engine.train_groups(init, [Group(c, (c,), 1)], stage=PROBE_STAGE)
+        rows.append(torch.cat([(res.params[k][0] - ref[k]).reshape(-1) for k in trainable]))
+    loop = torch.stack(rows).numpy()
+    assert client_probe_updates(trainer).shape == loop.shape
+    sizes = np.asarray(trainer.datamodule.client_sizes, dtype=np.float64)
+    np.testing.assert_allclose(
+        client_alphas(trainer).numpy(), numpy_signed_angles(loop, sizes), rtol=0, atol=1e-7
+    )

@@ -196,3 +196,24 @@ def test_fedbn_refused_in_one_line_where_it_cannot_last(tmp_path):
     tr = _trainer(tmp_path, FedAvg(rounds=1, local_bn="stats"))
     with pytest.raises(ConfigError, match=r"MLP has no BatchNorm layer to keep local"):
         tr.fit(MLP(hidden=(4,)), _data())
+
+
+def test_fedshard_shard_alphas_leave_batchnorm_statistics_out(tmp_path):
+    """SPEC section 4: a shard's alpha is over its trainable parameters (numpy reference, stage 1)."""
+    from _angles import numpy_signed_angles
+
+    tr = _trainer(tmp_path, METHODS["fedshard"]())
+    tr.fit(_model(), _data())
+    alg = tr.algorithm
+    trainable = sorted(n for n, p in tr.module.named_parameters() if p.requires_grad)
+    assert any("running_mean" in k for k in alg.models[0])
+    theta0, final = alg.theta0, alg.models[0]  # stage 1 starts every shard from theta^0
+    u = np.stack(
+        [
+            np.concatenate([(final[k][s].double() - theta0[k].double()).numpy().ravel() for k in trainable])
+            for s in range(len(alg.records[0]))
+        ]
+    )
+    w = np.asarray([r.weight for r in alg.records[0]], dtype=np.float64)
+    got = np.asarray([r.alpha for r in alg.records[0]])
+    np.testing.assert_allclose(got, numpy_signed_angles(u, w), rtol=0, atol=1e-9)
