@@ -21,6 +21,7 @@ import json
 import os
 import secrets
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from fedshard_lightning.init_args import init_args
 
 __all__ = [
     "finish_loggers",
+    "log_wandb_report",
     "restore_csv_history",
     "run_hparams",
     "run_loggers",
@@ -244,3 +246,41 @@ def finish_loggers(
             state = wandb_state(run_dir)
             state["step"] = max(int(state.get("step", 0)), step)
             (run_dir / "wandb.json").write_text(json.dumps(state, indent=2) + "\n")
+
+
+def log_wandb_report(
+    loggers: Sequence[Logger],
+    prefix: str,
+    tables: dict[str, tuple[Sequence[str], list[list[Any]]]],
+    images: dict[str, Path],
+    summary: dict[str, Any],
+    headline: Sequence[str] = (),
+) -> None:
+    """A report into every W&B run among ``loggers`` (nothing when W&B is off).
+
+    Tables and images are logged as ``PREFIX/NAME``; every number or string of ``summary`` goes
+    to the run summary as ``PREFIX/KEY``, and the ``headline`` keys also without the prefix, so
+    that the W&B runs table can sort runs by them.
+    """
+    for logger in loggers:
+        if type(logger).__name__ != "WandbLogger":  # W&B is imported only where it is used
+            continue
+        import wandb
+        from lightning.pytorch.loggers import WandbLogger
+
+        if not isinstance(logger, WandbLogger):
+            continue
+
+        run = logger.experiment
+        payload: dict[str, Any] = {
+            f"{prefix}/{name}": wandb.Table(columns=list(cols), data=rows)
+            for name, (cols, rows) in tables.items()
+        }
+        payload.update({f"{prefix}/{name}": wandb.Image(str(path)) for name, path in images.items()})
+        run.log(payload)
+        for key in headline:
+            if summary.get(key) is not None:
+                run.summary[key] = summary[key]
+        for key, value in summary.items():
+            if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+                run.summary[f"{prefix}/{key}"] = value

@@ -61,7 +61,8 @@ from fedshard_lightning.callbacks.base import FederatedCallback
 from fedshard_lightning.callbacks.plots import plot_cost_distribution, plot_round_accuracy
 from fedshard_lightning.callbacks.task_progress import TaskProgress
 from fedshard_lightning.errors import ConfigError
-from fedshard_lightning.metrics.client_alpha import client_alphas, per_client_accuracy
+from fedshard_lightning.loggers import log_wandb_report
+from fedshard_lightning.metrics.client_alpha import checked_alphas, client_alphas, per_client_accuracy
 from fedshard_lightning.metrics.fairness import efficiency_fairness
 from fedshard_lightning.metrics.fairness_report import cost_stats, fairness_report, json_safe
 from fedshard_lightning.metrics.membership import MembershipAudit
@@ -130,6 +131,10 @@ class UnlearningReplay(FederatedCallback):
             ``holdout_fraction > 0``) instead of its training samples.
         mia_classifier: Attack model of the MIA.
         plots: Write the two PNG plots (and send them to W&B).
+        alphas: Client alphas to use, one per client of the partition, instead of probing this
+            run's fitted model: methods compared side by side share one reference (SPEC section
+            4; :func:`~fedshard_lightning.experiments.compare.compare` passes the first method's).
+            After a run, :attr:`alphas_used` holds the alphas it used.
     """
 
     def __init__(
@@ -147,6 +152,7 @@ class UnlearningReplay(FederatedCallback):
             "gradient_boosting", "logistic", "mlp", "random_forest"
         ] = "gradient_boosting",
         plots: bool = True,
+        alphas: Sequence[float] | None = None,
     ) -> None:
         if mode not in ("predicted", "measured"):
             raise ConfigError(f"UnlearningReplay.mode={mode!r}: choose predicted or measured")
@@ -164,6 +170,8 @@ class UnlearningReplay(FederatedCallback):
         self.holdout = bool(holdout)
         self.mia_classifier = mia_classifier
         self.plots = bool(plots)
+        self.alphas = None if alphas is None else checked_alphas(alphas, "UnlearningReplay.alphas")
+        self.alphas_used: Tensor | None = None
         self.summary: dict[str, Any] | None = None
         self.rows: list[dict[str, Any]] = []
 
@@ -203,7 +211,15 @@ class UnlearningReplay(FederatedCallback):
 
         reference = {n: v.detach().clone() for n, v in alg.current_params().items()}
         t = time.perf_counter()
-        alphas = client_alphas(alg, reference).cpu()
+        if self.alphas is None:
+            alphas = client_alphas(alg, reference).cpu()
+        elif len(self.alphas) != k:
+            raise ConfigError(
+                f"UnlearningReplay.alphas: {len(self.alphas)} values for {k} clients; give one per client"
+            )
+        else:
+            alphas = self.alphas
+        self.alphas_used = alphas
         probe_seconds = time.perf_counter() - t
         acc_before = per_client_accuracy(module, reference, dm, split)
         sizes = dm.client_sizes
@@ -371,27 +387,12 @@ class UnlearningReplay(FederatedCallback):
             if isinstance(v, (int, float)) and not isinstance(v, bool)
         }
         trainer.fabric.log_dict(scalars, step=len(trainer.history))
-        for logger in trainer.fabric.loggers:
-            if type(logger).__name__ != "WandbLogger":
-                continue
-            from lightning.pytorch.loggers import WandbLogger
-
-            if not isinstance(logger, WandbLogger):
-                continue
-            import wandb
-
-            run = logger.experiment
-            payload: dict[str, Any] = {
-                "fairness/clients": wandb.Table(
-                    columns=list(CLIENT_COLUMNS), data=[[row[c] for c in CLIENT_COLUMNS] for row in self.rows]
-                )
-            }
-            for key, path in plots.items():
-                payload[f"fairness/{key}"] = wandb.Image(str(path))
-            run.log(payload)
-            for key in ("M_e", "M_p", "mia_f1", "unlearn_seconds_mean"):
-                if self.summary.get(key) is not None:
-                    run.summary[key] = self.summary[key]
-            for key, value in self.summary.items():
-                if isinstance(value, (int, float, str)) and not isinstance(value, bool):
-                    run.summary[f"fairness/{key}"] = value
+        table = [[row[c] for c in CLIENT_COLUMNS] for row in self.rows]
+        log_wandb_report(
+            trainer.fabric.loggers,
+            "fairness",
+            {"clients": (CLIENT_COLUMNS, table)},
+            plots,
+            self.summary,
+            headline=("M_e", "M_p", "mia_f1", "unlearn_seconds_mean"),
+        )

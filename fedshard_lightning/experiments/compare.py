@@ -11,9 +11,9 @@ Per method: ``t`` (mean unlearning seconds per request), the mean cost in client
 request, the standard deviation over clients of the cost in client-steps (M_e without the
 ``1/|alpha|`` weights, which one client with a near-zero alpha can dominate), ``M_e`` in client-steps (every client, exact predicted costs) and in seconds (the measured
 clients) as separate columns, ``M_p``, membership-inference F1 before and after, test accuracy
-before and after, and FedAvg retraining's cost over the method's (client-steps). ``M_e`` uses the
-client alphas of the first method's model for every method (SPEC section 4: methods compared side
-by side share one reference); ``M_p`` uses each method's own probe alphas (the replay's).
+before and after, and FedAvg retraining's cost over the method's (client-steps). ``M_e`` and
+``M_p`` use the client alphas of the first method's model for every method (SPEC section 4: methods
+compared side by side share one reference): its replay probes them, the others' replays are given them.
 
 Written to ``output_dir``: ``compare.md``, ``compare.csv`` (one row per method and seed),
 ``compare.json``, ``compare.tex`` (:mod:`~fedshard_lightning.experiments.tables`) and
@@ -39,7 +39,7 @@ from fedshard_lightning.errors import ConfigError
 from fedshard_lightning.experiments.budget import match_budget
 from fedshard_lightning.experiments.plots import plot_cost_distributions
 from fedshard_lightning.experiments.tables import COLUMNS, aggregate, write_tables
-from fedshard_lightning.metrics import client_alphas, efficiency_fairness
+from fedshard_lightning.metrics import efficiency_fairness
 from fedshard_lightning.module import FederatedModule
 from fedshard_lightning.trainer import FederatedTrainer
 from fedshard_lightning.unlearning.base import Algorithm
@@ -216,14 +216,16 @@ def _run_seed(
     rows: list[dict[str, Any]] = []
     ref_budget: int | None = None
     step_counts: list[int] | None = None
-    ref_alpha: dict[int, float] = {}
+    ref_alpha: list[float] | None = None  # every client's alpha, from the first method's probe round
     fa_cost: float | None = None
     for i, template in enumerate(algorithms):
         how: dict[str, Any] = {"rule": "as configured", "rounds": getattr(template, "rounds", None)}
         alg = copy.deepcopy(template)
         if budget == "match" and i > 0:
             alg, how = match_budget(template, ref_budget, step_counts)
-        replay = UnlearningReplay(mode="measured", clients=list(clients), seed=seed, mia=mia, plots=False)
+        replay = UnlearningReplay(
+            mode="measured", clients=list(clients), seed=seed, mia=mia, plots=False, alphas=ref_alpha
+        )
         trainer = FederatedTrainer(
             algorithm=alg,
             callbacks=[replay],
@@ -242,7 +244,7 @@ def _run_seed(
         if i == 0:
             ref_budget = int(metrics["client_steps"])
             step_counts = [alg.schedule.num_steps(int(n)) for n in trainer.datamodule.client_sizes]
-            ref_alpha = dict(enumerate(client_alphas(alg).cpu().tolist()))  # every client, probe round
+            ref_alpha = replay.alphas_used.tolist()
             if budget == "match":
                 how = {"rule": f"reference: fit spends C = {ref_budget} client-steps", "rounds": None}
         s = replay.summary or {}

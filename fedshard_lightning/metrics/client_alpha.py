@@ -19,6 +19,7 @@ forward pass per client.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -26,10 +27,12 @@ import torch
 from torch import Tensor, nn
 
 from fedshard_lightning.engine import Group, predict_logits
+from fedshard_lightning.errors import ConfigError
 from fedshard_lightning.sharding.contribution import flatten_update, signed_angles
 
 __all__ = [
     "PROBE_STAGE",
+    "checked_alphas",
     "client_alphas",
     "client_probe_updates",
     "per_client_accuracy",
@@ -82,6 +85,17 @@ def client_probe_updates(
     return flatten_update(
         {k: res.params[k] for k in names}, {k: ref[k] for k in names}, stacked=True, dtype=torch.float64
     )
+
+
+def checked_alphas(alphas: Sequence[float], field: str) -> Tensor:
+    """Given client alphas as a float64 tensor: finite angles in ``[-pi, pi]``, or a ConfigError naming ``field``."""
+    try:
+        out = torch.tensor([float(a) for a in alphas], dtype=torch.float64)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{field}: give a list of numbers, one per client") from None
+    if not bool(torch.isfinite(out).all()) or bool((out.abs() > math.pi).any()):
+        raise ConfigError(f"{field}: every alpha must be a finite angle in [-pi, pi]")
+    return out
 
 
 def client_alphas(

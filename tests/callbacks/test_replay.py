@@ -243,3 +243,29 @@ def test_bad_arguments_are_refused():
         UnlearningReplay(sample=0)
     with pytest.raises(ValueError, match="eps0"):
         UnlearningReplay(eps0=0.0)
+    with pytest.raises(ValueError, match="alphas"):
+        UnlearningReplay(alphas=[0.1, float("nan")])
+    with pytest.raises(ValueError, match="alphas"):
+        UnlearningReplay(alphas=[4.0])
+    with pytest.raises(ValueError, match="alphas"):
+        UnlearningReplay(alphas=["a"])
+
+
+def test_given_alphas_are_used_instead_of_a_probe(run_root):
+    """The alphas of another method's model (compare's shared reference) decide M_e, M_p and the table."""
+    from fedshard_lightning.metrics import efficiency_fairness
+
+    k = 6
+    given = [(-1) ** c * (0.1 + 0.2 * c) for c in range(k)]
+    shared = UnlearningReplay(mode="measured", mia=False, plots=False, alphas=given)
+    trainer, model, dm = _make(run_root, k, [shared])
+    trainer.fit(model, dm)
+    assert shared.alphas_used.tolist() == given
+    assert [r["alpha"] for r in shared.rows] == given
+    costs = torch.tensor([float(r["Z_steps"]) for r in shared.rows], dtype=torch.float64)
+    want = efficiency_fairness(costs, torch.tensor(given, dtype=torch.float64), shared.eps_alpha)
+    assert shared.summary["M_e_steps"] == pytest.approx(float(want), rel=1e-12)
+    short = UnlearningReplay(mode="predicted", mia=False, plots=False, alphas=given[:-1])
+    trainer, model, dm = _make(run_root, k, [short])
+    with pytest.raises(ValueError, match="5 values for 6 clients"):
+        trainer.fit(model, dm)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -45,6 +46,14 @@ def test_compare_two_methods_two_seeds_equal_budget(tmp_path, capsys):
         assert r["client_steps"] > 0 and r["t"] >= 0 and r["M_p"] is not None
         assert r["M_e_steps"] is not None and r["M_e_seconds"] is not None
         assert r["clients_in_M_e_steps"] == 8  # every client, not only the 2 measured ones
+    # SPEC section 4: methods side by side share one reference; every replay used the same alphas.
+    for seed in (0, 1):
+        tables = [
+            list(csv.DictReader((Path(r["run_dir"]) / "fairness" / "clients.csv").read_text().splitlines()))
+            for r in res["rows"]
+            if r["seed"] == seed
+        ]
+        assert [row["alpha"] for row in tables[0]] == [row["alpha"] for row in tables[1]]
     fedshard, fedavg = res["rows"][:2]
     # equal budget: FedAvg's rounds are FedShard's fit client-steps over one round of all clients
     per_round = 8 * 3  # 8 clients, 12 samples, batch 5 -> 3 steps each
