@@ -138,13 +138,15 @@ def tensorboard_logger(run_dir: Path, version: str) -> Logger:
     """A TensorBoard logger writing ``RUN/tensorboard/<version>``, whose hyper-parameters need no fake metric.
 
     Raises:
-        ConfigError: Neither tensorboard nor tensorboardX is installed.
+        ConfigError: tensorboard is not installed (tensorboardX alone cannot write the
+            hyper-parameter table: ``torch.utils.tensorboard`` needs tensorboard).
     """
     from lightning.fabric.loggers import tensorboard as tb
 
-    if not (tb._TENSORBOARD_AVAILABLE or tb._TENSORBOARDX_AVAILABLE):
+    if not tb._TENSORBOARD_AVAILABLE:
+        alone = " (tensorboardX alone is not enough)" if tb._TENSORBOARDX_AVAILABLE else ""
         raise ConfigError(
-            "trainer.tensorboard=true: neither tensorboard nor tensorboardX is available; "
+            f"trainer.tensorboard=true: the tensorboard package is not available{alone}; "
             "pip install 'fedshard-lightning[tb]' (or pip install tensorboard)"
         )
 

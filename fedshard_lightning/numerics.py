@@ -3,7 +3,7 @@
 The engine makes a client's arithmetic independent of who shares its computation
 (docs/unlearning.md), but not of the machine: the device, the torch build, the thread count (MKL
 and oneDNN split reductions by thread), the kernel family and the fixed-shape block size change
-float32 rounding, and so does TF32 on CUDA (``trainer.tf32``). ``fit`` records them in
+float32 rounding, as does the local-training path (stacked or loop), and so does TF32 on CUDA (``trainer.tf32``). ``fit`` records them in
 ``RUN/numerics.json``; ``unlearn`` and ``audit`` reproduce the thread count and the TF32 switch,
 warn in one line each about what they cannot reproduce, and ``audit`` names a mismatch as the
 likely cause when it fails.
@@ -87,6 +87,7 @@ def reproduce(run_dir: Path, trainer: Any) -> list[str]:
             configure_process(trainer.device, setting)
     now = current(trainer)
     for key in (
+        "engine_mode",
         "device",
         "device_name",
         "torch",
@@ -98,7 +99,12 @@ def reproduce(run_dir: Path, trainer: Any) -> list[str]:
     ):
         # None: not decided yet in this process (the kernel is chosen at the first stacked call)
         if key in fit_env and now.get(key) is not None and fit_env[key] != now[key]:
-            notes.append(f"{key}: fit ran with {fit_env[key]!r}, this process has {now[key]!r}")
+            hint = (
+                " (trainer.vectorize; the two paths agree to rounding, not bit for bit)"
+                if key == "engine_mode"
+                else ""
+            )
+            notes.append(f"{key}: fit ran with {fit_env[key]!r}, this process has {now[key]!r}{hint}")
     return notes
 
 

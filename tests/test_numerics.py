@@ -65,6 +65,20 @@ def test_failed_audit_names_first_shard_and_likely_cause(tmp_path, capsys, monke
     assert "likely cause: torch: fit ran with '0.0.0-elsewhere'" in out
 
 
+def test_audit_on_another_path_names_it(tmp_path, capsys):
+    """fit stacked, audit on the loop (``trainer.vectorize: never``): the path is named, at start and as the cause."""
+    tr = _trainer(tmp_path)
+    tr.fit(*_fresh())
+    _trainer(tmp_path).unlearn(*_fresh(), str(tr.run_dir), [3])
+    capsys.readouterr()
+    with pytest.raises(SystemExit):  # the hand-written stacked kernels round otherwise than the loop
+        tiny_trainer(tmp_path, vectorize="never").audit(*_fresh(), str(tr.run_dir))
+    out = capsys.readouterr().out
+    line = "engine_mode: fit ran with 'stacked', this process has 'loop' (trainer.vectorize"
+    assert f"warning: numerics: {line}" in out
+    assert "audit FAILED" in out and f"likely cause: {line}" in out
+
+
 @pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf"), True])
 def test_audit_tolerance_is_checked_before_any_replay(tmp_path, bad):
     with pytest.raises(ConfigError, match="tolerance="):
