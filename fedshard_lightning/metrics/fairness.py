@@ -1,7 +1,7 @@
 r"""Fairness metrics of federated unlearning: FedShard paper, section 5 ("Fairness Metrics").
 
 Paper: *FedShard: Federated Unlearning with Efficiency Fairness and Performance Fairness*
-(``/work/shared/paper``), section 5.1, equation (6) (``eq:mp``) for the performance-fairness
+(Ding et al.), section 5.1, equation (6) (``eq:mp``) for the performance-fairness
 metric :math:`M_p`, and section 5.2, equation (7) (``eq:me``) for the efficiency-fairness metric
 :math:`M_e`. ``Dis(c1, c2) = |alpha_c1 - alpha_c2|`` uses the contribution factor of equation (1).
 Lower is fairer for both.

@@ -1,8 +1,8 @@
 """FedShard: sharded federated learning with exact, fair and fast federated unlearning.
 
 Paper: *FedShard: Federated Unlearning with Efficiency Fairness and Performance Fairness*
-(``shared/paper``): Algorithm 1 "FedShard Federated Learning", Algorithm 2 "FedShard Federated
-Unlearning", Appendix D; made precise by SPEC sections 2, 4-7.
+(Ding et al.): Algorithm 1 "FedShard Federated Learning", Algorithm 2 "FedShard Federated
+Unlearning", Appendix D; made precise by SPEC sections 2, 4-7 (``docs/spec.md``).
 
 Training builds a frozen shard tree bottom-up: every client is a leaf; stage p merges the shards of
 stage p-1, R at a time (A1: direction-balanced merging by the signed contribution angle alpha),
