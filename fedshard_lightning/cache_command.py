@@ -71,9 +71,11 @@ def cache_main(argv: list[str]) -> None:
             if args.keep < 1:
                 raise ConfigError(f"--keep={args.keep}: keep at least the newest version (an integer >= 1)")
             out = cache.gc(args.keep)
+            kept = _count(len(out["kept"]), "version")
+            span = out["kept"][0] if len(out["kept"]) == 1 else f"{out['kept'][0]} .. {out['kept'][-1]}"
             print(
-                f"cache gc: kept the models of {len(out['kept'])} versions ({out['kept'][0]} .. {out['kept'][-1]}), "
-                f"{len(out['pruned'])} versions pruned (manifests kept); removed {out['removed_blobs']} blobs "
+                f"cache gc: kept the models of {kept} ({span}), "
+                f"{_count(len(out['pruned']), 'version')} pruned (manifests kept); removed {out['removed_blobs']} blobs "
                 f"({out['removed_bytes'] / 1e6:.1f} MB), {out['kept_blobs']} blobs ({out['kept_bytes'] / 1e6:.1f} MB) "
                 f"remain in {cache.root}"
             )
@@ -90,3 +92,8 @@ def cache_main(argv: list[str]) -> None:
                 note += f" ({len(found['other'])} off the current history: blobs only)"
             n = len(versions)
             print(f"cache verify: {n} version{'s' if n != 1 else ''} intact{note} in {cache.root}")
+
+
+def _count(n: int, noun: str) -> str:
+    """``1 version``, ``3 versions``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

@@ -282,12 +282,12 @@ def main(args: list[str] | None = None) -> None:
     """Entry point; user errors become one line on stderr and exit status 2."""
     argv = sys.argv[1:] if args is None else list(args)
     ignore_sigxfsz()
-    if argv[:1] == ["runs"]:
-        from fedshard_lightning.runs import runs_main
-
-        runs_main(argv[1:])
-        return
     try:
+        if argv[:1] == ["runs"]:
+            from fedshard_lightning.runs import runs_main
+
+            runs_main(argv[1:])
+            return
         if argv[:1] == ["cache"]:  # maintenance without a config: cache gc / verify
             from fedshard_lightning.cache_command import cache_main
 

@@ -121,7 +121,7 @@ def _wandb_logger(run_dir: Path, trainer: Any, hparams: dict[str, Any]) -> Logge
             "step": 0,
         }
         (run_dir / "wandb.json").write_text(json.dumps(state, indent=2) + "\n")
-    return WandbLogger(
+    logger = WandbLogger(
         project=state.get("project", trainer.wandb_project),
         name=state["name"],
         id=state["id"],
@@ -132,6 +132,12 @@ def _wandb_logger(run_dir: Path, trainer: Any, hparams: dict[str, Any]) -> Logge
         offline=trainer.wandb_mode == "offline",
         tags=[str(hparams["method"]), str(hparams["dataset"])],
     )
+    # Lightning passes anonymous=None to wandb.init, which then warns on every run that the
+    # setting has no effect; leaving the key out says the same without the warning.
+    init = getattr(logger, "_wandb_init", None)
+    if isinstance(init, dict) and init.get("anonymous") is None:
+        init.pop("anonymous", None)
+    return logger
 
 
 def tensorboard_logger(run_dir: Path, version: str) -> Logger:

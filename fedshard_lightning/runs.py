@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from fedshard_lightning.cache import FLCache
-from fedshard_lightning.errors import CacheError
+from fedshard_lightning.errors import CacheError, ConfigError
 
 __all__ = ["describe_run", "format_runs", "list_runs", "runs_main"]
 
@@ -103,6 +103,11 @@ def runs_main(argv: list[str]) -> None:
     )
     parser.add_argument("--root", default="runs", help="folder holding the runs (default: runs)")
     args = parser.parse_args(argv)
+    if not Path(args.root).is_dir():  # a mistyped root must not read as an empty one
+        raise ConfigError(
+            f"runs --root {args.root}: no such folder; give the folder that holds the run "
+            "directories (fit's trainer.default_root_dir, default runs)"
+        )
     rows = list_runs(args.root)
     if not rows:
         print(f"no runs under {args.root}")

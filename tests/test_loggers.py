@@ -55,9 +55,11 @@ def _wandb_items(run_dir):
     return config, history, runs
 
 
-def test_wandb_run_has_config_and_the_unlearning_request(run_root):
+def test_wandb_run_has_config_and_the_unlearning_request(run_root, capfd):
     trainer, model, data = _objects(run_root, wandb=True, wandb_group="exp-1")
     trainer.fit(model, data)
+    out, err = capfd.readouterr()
+    assert "anonymous" not in out + err  # W&B's warning about Lightning's anonymous=None, on every run
     run = trainer.run_dir
     state = json.loads((run / "wandb.json").read_text())
     assert state["name"] == "fedshard-synthetic-K8-rho0.5-s3" and state["group"] == "exp-1"

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
+
 from fedshard_lightning.cli import main
 from fedshard_lightning.runs import format_runs, list_runs
 
@@ -46,6 +48,13 @@ def test_runs_lists_complete_interrupted_and_unlearned_runs(run_root, capsys):
     assert out == format_runs(rows) + "\n"
 
 
-def test_runs_on_a_missing_root(tmp_path, capsys):
-    main(["runs", "--root", str(tmp_path / "nothing")])
-    assert "no runs under" in capsys.readouterr().out
+def test_runs_on_a_missing_root_and_an_empty_one(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["runs", "--root", str(tmp_path / "nothing")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert (
+        err.startswith(f"error: runs --root {tmp_path / 'nothing'}: no such folder;") and err.count("\n") == 1
+    )
+    main(["runs", "--root", str(tmp_path)])  # a folder without runs: said, exit status 0
+    assert capsys.readouterr().out == f"no runs under {tmp_path}\n"

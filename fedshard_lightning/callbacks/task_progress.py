@@ -48,6 +48,7 @@ class TaskProgress:
         self.items, self.items_done = items, 0
         self.done = 0.0
         self.t0 = self._last_line = time.perf_counter()
+        self.first: tuple[float, float] | None = None  # (time, client-steps) of the first work reported
         self._decile = -1
         self.live = sys.stderr.isatty() if live is None else live
         self.plain = (not sys.stdout.isatty()) if plain is None else plain
@@ -63,13 +64,22 @@ class TaskProgress:
             self._task = self._progress.add_task(task, total=self.total or items)
 
     def eta(self) -> float | None:
-        """Seconds still needed at the measured rate (None before any work or without a total)."""
-        elapsed = time.perf_counter() - self.t0
+        """Seconds still needed at the measured rate (None before any work or without a total).
+
+        The rate is measured from the first report on, once there is a second: the first piece of
+        work also paid the start-up (kernel choice, batch plans), which would inflate every ETA.
+        """
+        now = time.perf_counter()
+        elapsed = now - self.t0
         if not self.total and self.items and self.items_done:
             return elapsed / self.items_done * max(self.items - self.items_done, 0)
         if not self.total or self.done <= 0 or elapsed <= 0:
             return None
-        return max(self.total - self.done, 0.0) / (self.done / elapsed)
+        if self.first is not None and self.done > self.first[1] and now > self.first[0]:
+            rate = (self.done - self.first[1]) / (now - self.first[0])
+        else:
+            rate = self.done / elapsed
+        return max(self.total - self.done, 0.0) / rate
 
     def line(self, note: str) -> str:
         """``task: note · done/total client-steps · rate · elapsed · ETA``."""
@@ -89,6 +99,8 @@ class TaskProgress:
         """
         self.done += float(steps)
         self.items_done += int(item)
+        if self.first is None and self.done > 0:
+            self.first = (time.perf_counter(), self.done)
         text = self.line(note)
         if self._progress is not None:
             completed = self.done if self.total else self.items_done

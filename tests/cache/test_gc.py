@@ -136,7 +136,7 @@ def test_cli_gc_and_its_one_line_errors(tmp_path: Path) -> None:
     run = tmp_path / "run"
     cache, _ = _history(run)
     code, out, err = cli(["cache", "gc", "--ckpt_path", str(run), "--keep", "3"])
-    assert code == 0 and "2 versions pruned" in out, err
+    assert code == 0 and "kept the models of 3 versions" in out and "2 versions pruned" in out, err
     code, out, err = cli(["cache", "verify", "--ckpt_path", str(run), "--all"])
     assert code == 0 and "5 versions intact" in out, err
     for args, needle in [
@@ -159,3 +159,5 @@ def test_cli_gc_and_its_one_line_errors(tmp_path: Path) -> None:
         code, _, err = cli(["cache", "gc", "--ckpt_path", str(run), "--keep", "1"])
     assert code == 2 and "another process" in err and len(err.strip().splitlines()) == 1
     assert cache.pruned() == {"0001-v", "0002-v"}
+    code, out, err = cli(["cache", "gc", "--ckpt_path", str(run), "--keep", "1"])
+    assert code == 0 and "kept the models of 1 version (0005-v)" in out and "4 versions pruned" in out, out

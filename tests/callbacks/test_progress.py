@@ -135,3 +135,16 @@ def test_task_progress_eta_and_throttled_plain_lines(capsys):
     q.t0 -= 8.0
     q.update(50, "method 1/4", item=True)
     assert q.eta() == pytest.approx(24.0, rel=0.05)  # 3 methods left at 8 s each
+
+
+def test_task_progress_rate_leaves_out_the_start_up():
+    """After a second report the rate runs from the first one: start-up paid by stage 1 does not count."""
+    from fedshard_lightning.callbacks import TaskProgress
+
+    p = TaskProgress("unlearn", 100, live=False, plain=False)
+    p.t0 -= 10.0  # stage 1: 10 steps, but 10 s with the start-up
+    p.update(10, "stage 1/3")
+    assert p.eta() == pytest.approx(90.0, rel=0.05)  # one report: the overall rate, 1 step/s
+    p.first = (p.first[0] - 1.0, p.first[1])  # stage 2: 40 steps in the next second
+    p.update(40, "stage 2/3")
+    assert p.eta() == pytest.approx(1.25, rel=0.05)  # 50 steps left at 40 steps/s
