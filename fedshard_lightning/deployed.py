@@ -25,8 +25,19 @@ HASH_KEY = "fedshard_tensors_sha256"
 
 
 def save_model(path: Path, state: dict[str, Tensor]) -> None:
-    """Write the model atomically, with the hash of its tensors in the metadata."""
-    atomic_save_tensors(path, state, metadata={HASH_KEY: tensors_sha256(state)})
+    """Write the model atomically, with the hash of its tensors in the metadata.
+
+    Tied weights (one parameter under two names, e.g. a decoder sharing its encoder's matrix) are
+    written under both names, each a copy: safetensors refuses tensors that share memory, and
+    ``load_state_dict`` of the file then fills the one parameter twice with the same values.
+    """
+    seen: set[tuple[int, int]] = set()
+    unshared = {}
+    for k, v in state.items():
+        where = (v.untyped_storage().data_ptr(), v.storage_offset()) if v.numel() else (id(v), 0)
+        unshared[k] = v.detach().clone() if where in seen else v
+        seen.add(where)
+    atomic_save_tensors(path, unshared, metadata={HASH_KEY: tensors_sha256(unshared)})
 
 
 def _read(path: Path, device: str | torch.device) -> tuple[dict[str, Tensor], dict[str, str]]:
