@@ -8,6 +8,12 @@ covered the day it is added), the model's parameter shapes and dtype, the data's
 (labels and partition, :meth:`FederatedDataModule.fingerprint`, which also hashes the data's init
 args except where its files live) and the training seed. An argument that does not change the
 result but is fingerprinted anyway refuses a good cache loudly; none can accept a stale one.
+
+A model may keep its learning rate in an attribute instead of a constructor argument it records
+(a plain ``LightningModule`` without ``save_hyperparameters``). So ``cache/FINGERPRINT`` also
+records the client optimizer as ``configure_optimizers`` builds it (:func:`optimizer_body`), and
+a resume, ``unlearn`` or ``audit`` with another one is refused (:meth:`.RunStore.check_optimizer`).
+It is kept out of the hash, so runs fitted before it was recorded keep their fingerprint.
 """
 
 from __future__ import annotations
@@ -18,7 +24,10 @@ from typing import Any
 
 from fedshard_lightning.init_args import init_args
 
-__all__ = ["fingerprint", "fingerprint_body", "readable_body"]
+__all__ = ["fingerprint", "fingerprint_body", "optimizer_body", "readable_body"]
+
+#: Rounds of the scheduler's learning rates recorded (a changed schedule shows in its first rates).
+SCHEDULE_ROUNDS = 4
 
 
 def fingerprint_body(model: Any, datamodule: Any, algorithm: Any, seed: int) -> dict[str, Any]:
@@ -44,4 +53,22 @@ def readable_body(model: Any, datamodule: Any, algorithm: Any, seed: int) -> dic
 
     Recorded in ``cache/FINGERPRINT`` before training; the data's own fingerprint is a hash.
     """
-    return {**fingerprint_body(model, datamodule, algorithm, seed), "data_settings": init_args(datamodule)}
+    return {
+        **fingerprint_body(model, datamodule, algorithm, seed),
+        "data_settings": init_args(datamodule),
+        "optimizer": optimizer_body(model),
+    }
+
+
+def optimizer_body(model: Any) -> dict[str, Any]:
+    """The client optimizer: class, settings per parameter group (by name), the scheduler's first rates."""
+    from fedshard_lightning.engine.optim import optimizer_spec, round_lr
+
+    spec = optimizer_spec(model, [n for n, p in model.named_parameters() if p.requires_grad])
+    lrs = round_lr(model)
+    body = {
+        "class": spec.cls.__name__,
+        "groups": [[list(names), hp] for names, hp in spec.groups],
+        "round_lrs": [lrs(r) for r in range(SCHEDULE_ROUNDS)] if lrs is not None else None,
+    }
+    return json.loads(json.dumps(body, sort_keys=True, default=str))

@@ -112,8 +112,26 @@ class RunStore:
                     f"{self.cache.root.parent} was started with another config or dataset ({first_difference(was, body)}); "
                     "resume it with its own config.yaml (leave out the changed setting)"
                 )
+            self._same_optimizer(was, body.get("optimizer"))
         elif self.write and not self.cache.exists() and not path.is_file():
             atomic_write_json(path, {"fingerprint": self.fingerprint, "body": body})
+
+    def check_optimizer(self, optimizer: dict[str, Any]) -> None:
+        """Refuse to retrain a run with another client optimizer than fit's (when fit recorded it)."""
+        try:
+            was = json.loads((self.cache.root / "FINGERPRINT").read_bytes()).get("body", {})
+        except (OSError, ValueError, AttributeError):
+            return  # no record (a run from before FINGERPRINT): the fingerprint check is all there is
+        self._same_optimizer(was, optimizer)
+
+    def _same_optimizer(self, was: Any, optimizer: Any) -> None:
+        recorded = was.get("optimizer") if isinstance(was, dict) else None
+        if recorded is not None and optimizer is not None and recorded != optimizer:
+            raise CacheError(
+                f"{self.cache.root.parent} was trained with another client optimizer "
+                f"({first_difference({'optimizer': recorded}, {'optimizer': optimizer})}); "
+                "use the model settings the run was fitted with (its config.yaml)"
+            )
 
     def commit(
         self, algorithm: Algorithm, label: str, complete: bool, vectorize_mode: str | None

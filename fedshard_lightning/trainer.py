@@ -29,7 +29,7 @@ from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.deployed import save_model
 from fedshard_lightning.engine.evaluate import Evaluator
 from fedshard_lightning.errors import FedShardError
-from fedshard_lightning.fingerprint import fingerprint, readable_body
+from fedshard_lightning.fingerprint import fingerprint, optimizer_body, readable_body
 from fedshard_lightning.loggers import run_loggers, wandb_state
 from fedshard_lightning.loop import TrainerEvents, launch_fabric, load_run, run_fit
 from fedshard_lightning.module import bind_model, param_dtype
@@ -288,6 +288,8 @@ class FederatedTrainer:
     ) -> None:
         run_dir = existing_run_dir(ckpt_path, command)
         self._setup(model, datamodule, run_dir, command)
+        if command in ("unlearn", "audit"):  # they retrain: the optimizer must be fit's
+            self.store.check_optimizer(optimizer_body(self.module))
         load_run(self, run_dir)
         self.log_step_start = int(wandb_state(run_dir).get("step", 0))
 

@@ -1,0 +1,78 @@
+"""A run is retrained only with fit's client optimizer, also where no constructor argument records it."""
+
+from __future__ import annotations
+
+import json
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from _tiny import tiny_data, tiny_trainer
+from torch import nn
+
+from fedshard_lightning.errors import CacheError
+
+
+class AttributeLR(L.LightningModule):
+    """Keeps its rate in an attribute, without save_hyperparameters: no init argument is recorded."""
+
+    def __init__(self, lr: float = 0.05, gamma: float | None = None) -> None:
+        super().__init__()
+        self.lr, self.gamma = lr, gamma
+        self.net = nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 4))
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.5)
+        if self.gamma is None:
+            return opt
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=self.gamma)]
+
+
+def _fresh(**kw):
+    torch.manual_seed(0)
+    return AttributeLR(**kw), tiny_data()
+
+
+def test_fit_records_the_optimizer_and_unlearn_refuses_another(tmp_path):
+    tr = tiny_trainer(tmp_path, vectorize="always")
+    tr.fit(*_fresh(gamma=0.5))
+    run = tr.run_dir
+    body = json.loads((run / "cache" / "FINGERPRINT").read_text())["body"]["optimizer"]
+    assert body["class"] == "SGD" and body["groups"][0][1]["lr"] == 0.05
+    assert body["round_lrs"] == [[0.05], [0.025], [0.0125], [0.00625]]  # StepLR(gamma 0.5), per round
+    before = sorted(p.name for p in (run / "cache").rglob("*"))
+    for changed, where in (({"lr": 0.5}, "optimizer.groups"), ({"gamma": 0.9}, "optimizer.round_lrs")):
+        for command in ("unlearn", "audit"):
+            args = (str(run), [3]) if command == "unlearn" else (str(run),)
+            with pytest.raises(
+                CacheError, match=rf"another client optimizer \({where}.* in the run, .* now\)"
+            ):
+                getattr(tiny_trainer(tmp_path, vectorize="always"), command)(
+                    *_fresh(**{"gamma": 0.5, **changed}), *args
+                )
+    with pytest.raises(CacheError, match=r"another client optimizer \(optimizer.groups"):
+        tiny_trainer(tmp_path, vectorize="always").fit(*_fresh(lr=0.5, gamma=0.5), ckpt_path=str(run))
+    assert sorted(p.name for p in (run / "cache").rglob("*")) == before  # nothing was written
+    tiny_trainer(tmp_path, vectorize="always").unlearn(*_fresh(gamma=0.5), str(run), [3])
+    res = tiny_trainer(tmp_path, vectorize="always").audit(*_fresh(gamma=0.5), str(run), tolerance=0.0)
+    assert res["max_abs_diff"] == 0.0
+
+
+def test_a_run_without_the_record_is_still_accepted(tmp_path):
+    """Runs fitted before the optimizer was recorded keep working (the fingerprint hash is unchanged)."""
+    tr = tiny_trainer(tmp_path, vectorize="always")
+    tr.fit(*_fresh())
+    path = tr.run_dir / "cache" / "FINGERPRINT"
+    recorded = json.loads(path.read_text())
+    del recorded["body"]["optimizer"]
+    path.write_text(json.dumps(recorded))
+    report = tiny_trainer(tmp_path, vectorize="always").unlearn(*_fresh(), str(tr.run_dir), [3])
+    assert report["client_steps"] > 0
