@@ -45,18 +45,20 @@ _PREFIX = "m."
 class _StepCaller(nn.Module):
     """Makes ``training_step`` the forward of a module, so ``functional_call`` can swap parameters.
 
-    It returns the loss and the values the step logged, and gives the step its client's key.
+    It returns the loss and the values the step logged, and gives the step its client's key and
+    ``batch_idx`` (the local step, the same for every client of a stacked call, as on the loop).
     """
 
     def __init__(self, module: nn.Module, ctx: StepContext) -> None:
         super().__init__()
         self.m = module
         self.ctx = ctx
+        self.batch_idx = 0
 
     def forward(self, x: Tensor, y: Tensor, key: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         self.ctx.begin(key)
         try:
-            loss = step_loss(self.m.training_step((x, y), 0), type(self.m).__name__)
+            loss = step_loss(self.m.training_step((x, y), self.batch_idx), type(self.m).__name__)
         finally:
             logged = self.ctx.end()
         return loss, logged
@@ -280,6 +282,7 @@ class LocalTrainer:
                 cbuf = {k: v[:m_s] for k, v in cbuf.items()}
                 live = m
             sizes = gsz[s, :m]
+            self._caller.batch_idx = s
             if chain is not None:
                 x, y = self.dm.gather(gidx_t[s, :m], self.dtype)
                 weight_t = weight_all[s, :m]
