@@ -209,7 +209,9 @@ class LocalTrainer:
                             "torch.randn), which vmap cannot key per client"
                         ) from None
                     raise
-            grads = torch.autograd.grad(losses.sum(), list(leaves.values()))
+            # A parameter the step does not use gets no gradient (None), which torch.optim skips
+            # (no update, weight decay or momentum), as the loop's optimizer does.
+            grads = torch.autograd.grad(losses.sum(), list(leaves.values()), allow_unused=True)
         return dict(zip(leaves, grads)), losses.detach(), {k: v.detach() for k, v in logged.items()}
 
     def schedules(self, batch: ClientBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
