@@ -164,7 +164,8 @@ def optimizer_spec(module: nn.Module, names: Sequence[str]) -> OptimizerSpec:
                 raise ContractError(
                     f"{owner}.configure_optimizers optimizes a tensor that is not a model parameter"
                 )
-            gnames.append(by_id[id(p)])
+            if p.requires_grad:  # a frozen parameter never gets a gradient: torch.optim skips it
+                gnames.append(by_id[id(p)])
         seen.update(gnames)
         hp = {k: v for k, v in group.items() if k not in ("params", "initial_lr", "param_names")}
         groups.append((tuple(gnames), hp))
