@@ -33,11 +33,12 @@ from fedshard_lightning.engine.optim import OptimizerSpec, RoundLR, fused_sgd_lr
 from fedshard_lightning.engine.plan_ahead import BatchPlans
 from fedshard_lightning.engine.schedule import LocalSchedule
 from fedshard_lightning.engine.stacked import ConvMode, Kernel, KernelChoice, StackedProgram
-from fedshard_lightning.engine.step_context import RandomInStep, StepContext, step_keys, step_loss
+from fedshard_lightning.engine.step_context import NotVectorizable, StepContext, step_keys, step_loss
 from fedshard_lightning.engine.step_layout import StepLayouts
+from fedshard_lightning.engine.vmap_limits import not_vectorizable, vmap_blocker
 from fedshard_lightning.module import FederatedModule
 
-__all__ = ["ClientBatch", "Kernel", "KernelChoice", "LocalTrainer", "RandomInStep", "step_loss"]
+__all__ = ["ClientBatch", "Kernel", "KernelChoice", "LocalTrainer", "NotVectorizable", "step_loss"]
 
 _PREFIX = "m."
 
@@ -56,7 +57,7 @@ class _StepCaller(nn.Module):
         self.batch_idx = 0
 
     def forward(self, x: Tensor, y: Tensor, key: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-        self.ctx.begin(key)
+        self.ctx.begin(key, stacked=True)
         try:
             loss = step_loss(self.m.training_step((x, y), self.batch_idx), type(self.m).__name__)
         finally:
@@ -90,6 +91,7 @@ class LocalTrainer:
         self.ctx = StepContext.of(module)
         self._caller = _StepCaller(module, self.ctx)
         self._fwd = vmap(self._loss, in_dims=(0, 0, None, 0, 0, 0))
+        self._blocker = vmap_blocker(module)
         # Learning rate per round from the model's scheduler (None: the optimizer's own, constant).
         self.lr_at: RoundLR | None = round_lr(module)
         # The default training_step is a mean of per_sample_loss, which the fx kernels rewrite.
@@ -203,11 +205,9 @@ class LocalTrainer:
                 try:
                     losses, logged = self._fwd(leaves, client_buffers or {}, buffers, x, y, keys)
                 except RuntimeError as err:
-                    if "randomness" in str(err):
-                        raise RandomInStep(
-                            "training_step draws random numbers outside nn.Dropout (e.g. F.dropout, "
-                            "torch.randn), which vmap cannot key per client"
-                        ) from None
+                    reason = not_vectorizable(err, type(self.module).__name__)
+                    if reason is not None:
+                        raise reason from None
                     raise
             # A parameter the step does not use gets no gradient (None), which torch.optim skips
             # (no update, weight decay or momentum), as the loop's optimizer does.
@@ -240,6 +240,8 @@ class LocalTrainer:
         """
         gidx, gsz, steps = self.schedules(batch)
         self.program()
+        if self._program is None and self._blocker:  # vmap would train it inexactly
+            raise NotVectorizable(self._blocker)
         chain, spec = self._chain, self.spec_at(batch.round)
         if chain is not None and self._fused[0] is not spec:  # asked every round: once per spec
             self._fused = (spec, fused_sgd_lr(spec))
