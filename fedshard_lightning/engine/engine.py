@@ -32,7 +32,7 @@ from fedshard_lightning.engine.groups import (
     unstack_params,
 )
 from fedshard_lightning.engine.lean_rounds import lean_eligible, run_lean
-from fedshard_lightning.engine.local import ClientBatch, Kernel, LocalResult, LocalTrainer, RandomInStep
+from fedshard_lightning.engine.local import ClientBatch, Kernel, LocalResult, LocalTrainer, NotVectorizable
 from fedshard_lightning.engine.local_layers import LocalLayers
 from fedshard_lightning.engine.optim import OptimizerSpec, optimizer_spec
 from fedshard_lightning.engine.participants import KeyedSampling, ParticipantPolicy
@@ -188,8 +188,8 @@ class FederatedEngine:
                 res = self._run_stacked(state, rows, batch)
                 self.announce()
                 return res
-            except RandomInStep as err:
-                self._mode, self.mode_reason = "loop", f"{err}; the loop seeds each client step by its key"
+            except NotVectorizable as err:
+                self._mode, self.mode_reason = "loop", f"{err}; {err.fallback}"
         self.announce()
         return self.local.train_loop(state, batch, rows)
 

@@ -33,11 +33,12 @@ from fedshard_lightning.engine.optim import OptimizerSpec, RoundLR, fused_sgd_lr
 from fedshard_lightning.engine.plan_ahead import BatchPlans
 from fedshard_lightning.engine.schedule import LocalSchedule
 from fedshard_lightning.engine.stacked import ConvMode, Kernel, KernelChoice, StackedProgram
-from fedshard_lightning.engine.step_context import RandomInStep, StepContext, step_keys, step_loss
+from fedshard_lightning.engine.step_context import NotVectorizable, StepContext, step_keys, step_loss
 from fedshard_lightning.engine.step_layout import StepLayouts
+from fedshard_lightning.engine.vmap_limits import not_vectorizable, vmap_blocker
 from fedshard_lightning.module import FederatedModule
 
-__all__ = ["ClientBatch", "Kernel", "KernelChoice", "LocalTrainer", "RandomInStep", "step_loss"]
+__all__ = ["ClientBatch", "Kernel", "KernelChoice", "LocalTrainer", "NotVectorizable", "step_loss"]
 
 _PREFIX = "m."
 
@@ -45,18 +46,20 @@ _PREFIX = "m."
 class _StepCaller(nn.Module):
     """Makes ``training_step`` the forward of a module, so ``functional_call`` can swap parameters.
 
-    It returns the loss and the values the step logged, and gives the step its client's key.
+    It returns the loss and the values the step logged, and gives the step its client's key and
+    ``batch_idx`` (the local step, the same for every client of a stacked call, as on the loop).
     """
 
     def __init__(self, module: nn.Module, ctx: StepContext) -> None:
         super().__init__()
         self.m = module
         self.ctx = ctx
+        self.batch_idx = 0
 
     def forward(self, x: Tensor, y: Tensor, key: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-        self.ctx.begin(key)
+        self.ctx.begin(key, stacked=True)
         try:
-            loss = step_loss(self.m.training_step((x, y), 0), type(self.m).__name__)
+            loss = step_loss(self.m.training_step((x, y), self.batch_idx), type(self.m).__name__)
         finally:
             logged = self.ctx.end()
         return loss, logged
@@ -88,6 +91,7 @@ class LocalTrainer:
         self.ctx = StepContext.of(module)
         self._caller = _StepCaller(module, self.ctx)
         self._fwd = vmap(self._loss, in_dims=(0, 0, None, 0, 0, 0))
+        self._blocker = vmap_blocker(module)
         # Learning rate per round from the model's scheduler (None: the optimizer's own, constant).
         self.lr_at: RoundLR | None = round_lr(module)
         # The default training_step is a mean of per_sample_loss, which the fx kernels rewrite.
@@ -201,13 +205,13 @@ class LocalTrainer:
                 try:
                     losses, logged = self._fwd(leaves, client_buffers or {}, buffers, x, y, keys)
                 except RuntimeError as err:
-                    if "randomness" in str(err):
-                        raise RandomInStep(
-                            "training_step draws random numbers outside nn.Dropout (e.g. F.dropout, "
-                            "torch.randn), which vmap cannot key per client"
-                        ) from None
+                    reason = not_vectorizable(err, type(self.module).__name__)
+                    if reason is not None:
+                        raise reason from None
                     raise
-            grads = torch.autograd.grad(losses.sum(), list(leaves.values()))
+            # A parameter the step does not use gets no gradient (None), which torch.optim skips
+            # (no update, weight decay or momentum), as the loop's optimizer does.
+            grads = torch.autograd.grad(losses.sum(), list(leaves.values()), allow_unused=True)
         return dict(zip(leaves, grads)), losses.detach(), {k: v.detach() for k, v in logged.items()}
 
     def schedules(self, batch: ClientBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -236,6 +240,8 @@ class LocalTrainer:
         """
         gidx, gsz, steps = self.schedules(batch)
         self.program()
+        if self._program is None and self._blocker:  # vmap would train it inexactly
+            raise NotVectorizable(self._blocker)
         chain, spec = self._chain, self.spec_at(batch.round)
         if chain is not None and self._fused[0] is not spec:  # asked every round: once per spec
             self._fused = (spec, fused_sgd_lr(spec))
@@ -280,6 +286,7 @@ class LocalTrainer:
                 cbuf = {k: v[:m_s] for k, v in cbuf.items()}
                 live = m
             sizes = gsz[s, :m]
+            self._caller.batch_idx = s
             if chain is not None:
                 x, y = self.dm.gather(gidx_t[s, :m], self.dtype)
                 weight_t = weight_all[s, :m]

@@ -7,6 +7,8 @@ size at this step and keep, for every client, the result computed at its own siz
 * :func:`mixed_sizes_fixed` computes every size for all rows, so the kernel's shape never depends
   on which clients share the call (bit-exact whatever the neighbours; ``fixed=True``);
 * :func:`mixed_sizes_split` computes each size only for the rows that have it (less arithmetic).
+
+A parameter the step leaves unused gets no gradient (None) at every size, and stays None.
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ def mixed_sizes_fixed(
     keys: Tensor,
     loss_sum: Tensor,
     logs: dict[str, Tensor],
-) -> dict[str, Tensor]:
-    """Gradients of all ``m`` rows, each at its own batch size, every size computed for every row.
+) -> dict[str, Tensor | None]:
+    """Gradients of all ``m`` rows, each at its own batch size, every size computed for every row (None: unused).
 
     Args:
         local: The :class:`~fedshard_lightning.engine.local.LocalTrainer` (its ``dm``, ``dtype``,
@@ -52,7 +54,7 @@ def mixed_sizes_fixed(
         logs: Per-row sums of what ``training_step`` logged.
     """
     m, m_all = gidx.shape[0], loss_sum.shape[0]
-    grads = {k: torch.zeros_like(v) for k, v in leaves.items()}
+    grads: dict[str, Tensor | None] = dict.fromkeys(leaves)
     before = {k: v.clone() for k, v in cbuf.items()}
     after = {k: v.clone() for k, v in cbuf.items()}
     for size in np.unique(sizes[sizes > 0]):
@@ -63,8 +65,9 @@ def mixed_sizes_fixed(
         own = size_t == int(size)
         for k, v in cbuf.items():
             after[k] = _rows_where(own, v, after[k])
-        for k in grads:
-            grads[k] = _rows_where(own, g_all[k], grads[k])
+        for k, g in g_all.items():
+            if g is not None:
+                grads[k] = _rows_where(own, g, torch.zeros_like(g) if grads[k] is None else grads[k])
         loss_sum[:m] += torch.where(own, l_all, torch.zeros_like(l_all))
         kept = {k: torch.where(own, v, torch.zeros_like(v)) for k, v in logged.items()}
         local._add_logs(logs, kept, m_all, slice(0, m))
@@ -83,15 +86,15 @@ def mixed_sizes_split(
     keys: Tensor,
     loss_sum: Tensor,
     logs: dict[str, Tensor],
-) -> dict[str, Tensor]:
-    """Gradients of the ``m = len(sizes)`` first rows, each size computed only for its own rows.
+) -> dict[str, Tensor | None]:
+    """Gradients of the ``m = len(sizes)`` first rows, each size computed only for its own rows (None: unused).
 
     Args are those of :func:`mixed_sizes_fixed`, except ``sizes`` (numpy, ``[m]``) and ``gidx`` and
     ``keys``, which may hold more rows than ``m`` (only the first ``m`` are read).
     """
     m_all = loss_sum.shape[0]
     device = loss_sum.device
-    grads = {k: torch.zeros_like(v) for k, v in leaves.items()}
+    grads: dict[str, Tensor | None] = dict.fromkeys(leaves)
     for size in np.unique(sizes):
         sel = torch.as_tensor(np.flatnonzero(sizes == size), device=device)
         x, y = local.dm.gather(gidx[sel, :size], local.dtype)
@@ -102,8 +105,11 @@ def mixed_sizes_split(
         )
         for k, v in cbuf.items():
             v.index_copy_(0, sel, sub_buf[k])
-        for k in grads:
-            grads[k].index_copy_(0, sel, g_sub[k])
+        for k, g in g_sub.items():
+            if g is not None:
+                if grads[k] is None:
+                    grads[k] = torch.zeros_like(leaves[k])
+                grads[k].index_copy_(0, sel, g)
         loss_sum.index_add_(0, sel, l_sub)
         local._add_logs(logs, logged, m_all, sel)
     return grads

@@ -26,6 +26,7 @@ __all__ = [
     "normalize_optimizer",
     "optimizer_spec",
     "round_lr",
+    "scheduler_frequency",
     "shrink_optimizer",
 ]
 
@@ -63,6 +64,7 @@ def split_configured(returned: Any, owner: str) -> tuple[torch.optim.Optimizer, 
             )
         opt = opt[0]
     if isinstance(sched, dict):  # Lightning's {"scheduler": ..., "interval": ...} form
+        _check_interval(sched, owner)
         sched = sched.get("scheduler")
     if not isinstance(opt, torch.optim.Optimizer):
         raise ContractError(
@@ -81,6 +83,29 @@ def split_configured(returned: Any, owner: str) -> tuple[torch.optim.Optimizer, 
     return opt, sched
 
 
+def _check_interval(config: dict[str, Any], owner: str) -> None:
+    """Refuse ``interval: step``: schedulers step once per round (clients re-create their optimizer)."""
+    if config.get("interval", "epoch") != "epoch":
+        raise ContractError(
+            f"{owner}.configure_optimizers returns lr_scheduler interval={config['interval']!r}; the engine "
+            "steps schedulers once per communication round: use interval 'epoch' (frequency n: every n rounds)"
+        )
+    freq = config.get("frequency", 1)
+    if isinstance(freq, bool) or not isinstance(freq, int) or freq < 1:
+        raise ContractError(
+            f"{owner}.configure_optimizers returns lr_scheduler frequency={freq!r}; use a positive int (rounds)"
+        )
+
+
+def scheduler_frequency(returned: Any) -> int:
+    """Rounds per scheduler step: Lightning's ``frequency`` key of an ``lr_scheduler`` dict (default 1)."""
+    sched = returned.get("lr_scheduler") if isinstance(returned, dict) else None
+    if isinstance(returned, (list, tuple)) and len(returned) == 2 and isinstance(returned[0], (list, tuple)):
+        scheds = list(returned[1]) if isinstance(returned[1], (list, tuple)) else [returned[1]]
+        sched = scheds[0] if scheds else None
+    return int(sched.get("frequency", 1)) if isinstance(sched, dict) else 1
+
+
 def normalize_optimizer(returned: Any, owner: str) -> torch.optim.Optimizer:
     """The optimizer of what ``configure_optimizers`` returned (its scheduler, if any, set aside)."""
     return split_configured(returned, owner)[0]
@@ -91,8 +116,9 @@ class RoundLR:
 
     Federated convention: client optimizers are re-created in every communication round, so the
     scheduler counts rounds, not local steps. The rate of round ``r`` is what a fresh
-    ``configure_optimizers()`` scheduler gives after ``r`` steps, a function of the round alone:
-    a resumed or retrained shard replays the same rates. Values are cached per round.
+    ``configure_optimizers()`` scheduler gives after ``r // frequency`` steps (Lightning's
+    ``frequency`` key, default 1), a function of the round alone: a resumed or retrained shard
+    replays the same rates. Values are cached per round.
 
     Args:
         module: The model whose ``configure_optimizers`` returns an optimizer and a scheduler.
@@ -106,10 +132,11 @@ class RoundLR:
         """Learning rate per optimizer group in round ``round_`` (0-based)."""
         if round_ not in self._cache:
             owner = type(self.module).__name__
-            opt, sched = split_configured(self.module.configure_optimizers(), owner)
+            returned = self.module.configure_optimizers()
+            opt, sched = split_configured(returned, owner)
             with warnings.catch_warnings():  # scheduler.step() before optimizer.step() is intended
                 warnings.simplefilter("ignore", UserWarning)
-                for _ in range(round_):
+                for _ in range(round_ // scheduler_frequency(returned)):
                     sched.step()
             self._cache[round_] = [float(g["lr"]) for g in opt.param_groups]
         return self._cache[round_]
@@ -164,7 +191,8 @@ def optimizer_spec(module: nn.Module, names: Sequence[str]) -> OptimizerSpec:
                 raise ContractError(
                     f"{owner}.configure_optimizers optimizes a tensor that is not a model parameter"
                 )
-            gnames.append(by_id[id(p)])
+            if p.requires_grad:  # a frozen parameter never gets a gradient: torch.optim skips it
+                gnames.append(by_id[id(p)])
         seen.update(gnames)
         hp = {k: v for k, v in group.items() if k not in ("params", "initial_lr", "param_names")}
         groups.append((tuple(gnames), hp))

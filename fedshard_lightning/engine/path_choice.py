@@ -2,7 +2,8 @@
 
 The stacked path is not always faster (a model of many small layers on a CPU may run faster one
 client at a time), and not always possible (random operators that ``vmap`` cannot key per client
-make the stacked step raise :class:`~.step_context.RandomInStep`). :func:`choose_path` answers
+make the stacked step raise :class:`~.step_context.RandomInStep`, layers ``vmap`` cannot batch
+exactly raise :class:`~.step_context.NotVectorizable`). :func:`choose_path` answers
 both before the first round, with the reason the trainer prints at start-up.
 
 The answer depends on the model and the machine, not on the run, so it is kept per model
@@ -32,7 +33,7 @@ from fedshard_lightning.engine.groups import Group
 from fedshard_lightning.engine.local import LocalTrainer
 from fedshard_lightning.engine.round_plan import RoundPlan
 from fedshard_lightning.engine.schedule import LocalSchedule
-from fedshard_lightning.engine.step_context import RandomInStep
+from fedshard_lightning.engine.step_context import NotVectorizable
 
 __all__ = ["choose_path", "decided_paths", "first_round_sample", "path_signature", "time_paths"]
 
@@ -174,8 +175,8 @@ def time_paths(local: LocalTrainer, start: dict[str, Tensor], batch: ClientBatch
         try:
             for mode, (fn, sub) in runs.items():
                 fn({n: v[: sizes[mode]] for n, v in start.items()}, sub)  # warm-up (builds the kernels)
-        except RandomInStep as err:
-            return "loop", f"vectorize: auto; {err}; the loop seeds each client step by its key"
+        except NotVectorizable as err:
+            return "loop", f"vectorize: auto; {err}; {err.fallback}"
         for _ in range(2):
             for mode, (fn, sub) in runs.items():
                 sub_start = {n: v[: sizes[mode]] for n, v in start.items()}

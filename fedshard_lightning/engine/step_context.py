@@ -14,12 +14,16 @@ both functions of the client's own key while the engine runs a step:
 
 Random operators other than ``nn.Dropout`` (``F.dropout`` called directly, ``torch.randn`` in the
 step) cannot be keyed inside ``vmap``; such a model trains on the per-client loop, which seeds
-torch's generator with the client's step key before every step.
+torch's generator with the client's step key before every step. A torchmetrics ``Metric`` called
+in the step keeps one state for all clients, so the stacked step refuses it the same way
+(:class:`NotVectorizable`); on the loop, ``self.log(name, metric)`` logs the metric's batch value.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -30,7 +34,14 @@ from torch import Tensor, nn
 from fedshard_lightning.engine.keys import keyed_uniform_bits
 from fedshard_lightning.errors import ContractError
 
-__all__ = ["RandomInStep", "StepContext", "keyed_uniform", "step_keys", "step_loss"]
+__all__ = [
+    "NotVectorizable",
+    "RandomInStep",
+    "StepContext",
+    "keyed_uniform",
+    "step_keys",
+    "step_loss",
+]
 
 _M32 = 0xFFFFFFFF
 _STEP_COUNTER = 1 << 40  # step keys use counters far above the schedule's shuffling draws
@@ -62,8 +73,26 @@ def step_loss(out: Any, owner: str) -> Tensor:
     return out.reshape(())
 
 
-class RandomInStep(Exception):
+class NotVectorizable(Exception):
+    """The training step cannot run stacked exactly; its message is the one-line reason.
+
+    The engine then trains on the per-client loop (``vectorize: always`` and ``auto``), and says
+    why with :attr:`fallback` appended.
+    """
+
+    fallback = "the per-client loop trains it"
+
+
+class RandomInStep(NotVectorizable):
     """The training step draws random numbers that cannot be keyed per client under ``vmap``."""
+
+    fallback = "the loop seeds each client step by its key"
+
+
+def _metric_type() -> type | None:
+    """The class ``torchmetrics.Metric`` if torchmetrics is imported (a model holding one imported it)."""
+    tm = sys.modules.get("torchmetrics")
+    return getattr(tm, "Metric", None)
 
 
 def _mix32(h: Tensor) -> Tensor:
@@ -90,6 +119,7 @@ class StepContext:
         self.key: Tensor | None = None
         self.calls = 0
         self.logged: dict[str, Tensor] | None = None
+        self.stacked = False  # the step runs under vmap (all clients in one call)
         self._owner = 0
 
     @classmethod
@@ -107,14 +137,14 @@ class StepContext:
             object.__setattr__(module, "_fedshard_step_ctx", ctx)
         return ctx
 
-    def begin(self, key: Tensor | None) -> None:
+    def begin(self, key: Tensor | None, stacked: bool = False) -> None:
         """Start a training step with this client key (0-d, batched under vmap) and no logs yet."""
-        self.key, self.calls, self.logged = key, 0, {}
+        self.key, self.calls, self.logged, self.stacked = key, 0, {}, stacked
 
     def end(self) -> dict[str, Tensor]:
         """End the step; the values it logged."""
         logged = self.logged or {}
-        self.key, self.logged = None, None
+        self.key, self.logged, self.stacked = None, None, False
         return logged
 
     def install(self, module: nn.Module) -> None:
@@ -124,9 +154,12 @@ class StepContext:
         """
         object.__setattr__(module, "log", self._log_of(module))
         object.__setattr__(module, "log_dict", self._log_dict_of(module))
-        for sub in module.modules():
+        metric = _metric_type()
+        for name, sub in module.named_modules():
             if type(sub) is nn.Dropout:
                 object.__setattr__(sub, "forward", self._dropout_of(sub))
+            elif metric is not None and isinstance(sub, metric):
+                object.__setattr__(sub, "forward", self._metric_of(sub, name, type(module).__name__))
 
     def _log_of(self, module: nn.Module) -> Callable[..., None]:
         original = type(module).log
@@ -151,9 +184,32 @@ class StepContext:
 
         return log_dict
 
-    @staticmethod
-    def _scalar(name: str, value: Any, module: nn.Module) -> Tensor:
+    def _metric_of(self, metric: nn.Module, name: str, owner: str) -> Callable[..., Any]:
+        """``metric``'s forward, refused inside a stacked step (its state is shared by all clients)."""
+        forward = partial(type(metric).forward, metric)  # the class's: a copied module re-installs
+
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            if self.stacked:
+                raise NotVectorizable(
+                    f"{owner}.training_step calls torchmetrics {type(metric).__name__} ({name}), whose "
+                    "state vmap cannot keep per client"
+                )
+            return forward(*args, **kwargs)
+
+        return guarded
+
+    def _scalar(self, name: str, value: Any, module: nn.Module) -> Tensor:
         dtype = next(module.parameters()).dtype
+        metric = _metric_type()
+        if metric is not None and isinstance(value, metric):
+            if self.stacked:
+                raise NotVectorizable(
+                    f"{type(module).__name__}.training_step logs torchmetrics {type(value).__name__} "
+                    f"{name!r}, whose state vmap cannot keep per client"
+                )
+            # Lightning's on_step value: the batch's own (forward), else the accumulated compute()
+            cached = getattr(value, "_forward_cache", None)
+            value = cached if isinstance(cached, Tensor) else value.compute()
         if isinstance(value, Tensor):
             if value.numel() != 1:
                 raise ContractError(
