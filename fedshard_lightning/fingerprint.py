@@ -12,7 +12,7 @@ result but is fingerprinted anyway refuses a good cache loudly; none can accept 
 A model may keep its learning rate in an attribute instead of a constructor argument it records
 (a plain ``LightningModule`` without ``save_hyperparameters``). So ``cache/FINGERPRINT`` also
 records the client optimizer as ``configure_optimizers`` builds it (:func:`optimizer_body`), and
-a resume, ``unlearn`` or ``audit`` with another one is refused (:meth:`.RunStore.check_optimizer`).
+a resume, ``unlearn``, ``audit`` or ``test`` with another one is refused (:meth:`.RunStore.check`).
 It is kept out of the hash, so runs fitted before it was recorded keep their fingerprint.
 """
 

@@ -38,6 +38,8 @@ def _differences(a: Any, b: Any, where: str) -> list[tuple[str, Any, Any]]:
             if a.get(k) != b.get(k):
                 out += _differences(a.get(k), b.get(k), f"{where}.{k}" if where else str(k))
         return out
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):  # e.g. optimizer groups
+        return [d for i, (x, y) in enumerate(zip(a, b)) if x != y for d in _differences(x, y, f"{where}.{i}")]
     return [(where or "fingerprint", a, b)]
 
 
@@ -67,10 +69,21 @@ class RunStore:
         fingerprint: The configured run's fingerprint; a cache with another one is refused.
         seed: The training seed (recorded).
         write: Whether this process writes (rank zero); others only read.
+        body: :func:`~fedshard_lightning.fingerprint.readable_body` of the configured run: a
+            refusal names the setting that differs from the run's ``cache/FINGERPRINT``, and
+            the client optimizer recorded there must be this one.
     """
 
-    def __init__(self, cache: FLCache, fingerprint: str, seed: int, write: bool = True) -> None:
+    def __init__(
+        self,
+        cache: FLCache,
+        fingerprint: str,
+        seed: int,
+        write: bool = True,
+        body: dict[str, Any] | None = None,
+    ) -> None:
         self.cache, self.fingerprint, self.seed, self.write = cache, fingerprint, seed, write
+        self.body = json.loads(json.dumps(body or {}, sort_keys=True, default=str))
         self.requests: list[dict[str, Any]] = []
         self.complete_committed = False
         self._theta0: Any = None  # the theta0 object that the current version holds
@@ -83,24 +96,37 @@ class RunStore:
                 f"{self.cache.root} was written by algorithm {manifest.get('algorithm')!r}, not "
                 f"{algorithm_name!r}; use the config that created the run"
             )
+        was = self._recorded_body()
         if manifest.get("fingerprint") != self.fingerprint:
-            raise CacheError(
-                f"{self.cache.root} was made with another config or dataset (fingerprint "
-                f"{manifest.get('fingerprint')} != {self.fingerprint}); use the config that created the run "
-                "(its config.yaml)"
+            what = (
+                first_difference(was, self.body)
+                if was and self.body
+                else f"fingerprint {manifest.get('fingerprint')} != {self.fingerprint}"
             )
+            raise CacheError(
+                f"{self.cache.root} was made with another config or dataset ({what}); use the config that "
+                "created the run (its config.yaml)"
+            )
+        self._same_optimizer(was, self.body.get("optimizer"))
         self.requests = list(manifest.get("requests", []))
         return manifest
 
-    def claim(self, resume: bool, body: dict[str, Any]) -> None:
+    def _recorded_body(self) -> dict[str, Any]:
+        """The readable body in ``cache/FINGERPRINT`` ({} when absent or damaged: the hash still decides)."""
+        try:
+            body = json.loads((self.cache.root / "FINGERPRINT").read_bytes()).get("body", {})
+        except (OSError, ValueError, AttributeError):
+            return {}
+        return body if isinstance(body, dict) else {}
+
+    def claim(self, resume: bool) -> None:
         """Bind the run folder to this config before training: a resume is checked even before its first commit.
 
         Args:
             resume: Whether this is ``fit --ckpt_path``.
-            body: :func:`~fedshard_lightning.fingerprint.readable_body` of the configured run.
         """
         path = self.cache.root / "FINGERPRINT"
-        body = json.loads(json.dumps(body, sort_keys=True, default=str))
+        body = self.body
         if resume and path.is_file():
             try:
                 recorded = json.loads(path.read_bytes())
@@ -116,15 +142,8 @@ class RunStore:
         elif self.write and not self.cache.exists() and not path.is_file():
             atomic_write_json(path, {"fingerprint": self.fingerprint, "body": body})
 
-    def check_optimizer(self, optimizer: dict[str, Any]) -> None:
-        """Refuse to retrain a run with another client optimizer than fit's (when fit recorded it)."""
-        try:
-            was = json.loads((self.cache.root / "FINGERPRINT").read_bytes()).get("body", {})
-        except (OSError, ValueError, AttributeError):
-            return  # no record (a run from before FINGERPRINT): the fingerprint check is all there is
-        self._same_optimizer(was, optimizer)
-
     def _same_optimizer(self, was: Any, optimizer: Any) -> None:
+        """Refuse another client optimizer than fit's, where fit recorded it (runs before it did: no check)."""
         recorded = was.get("optimizer") if isinstance(was, dict) else None
         if recorded is not None and optimizer is not None and recorded != optimizer:
             raise CacheError(

@@ -29,7 +29,7 @@ from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.deployed import save_model
 from fedshard_lightning.engine.evaluate import Evaluator
 from fedshard_lightning.errors import FedShardError
-from fedshard_lightning.fingerprint import fingerprint, optimizer_body, readable_body
+from fedshard_lightning.fingerprint import fingerprint, readable_body
 from fedshard_lightning.loggers import run_loggers, wandb_state
 from fedshard_lightning.loop import TrainerEvents, launch_fabric, load_run, run_fit
 from fedshard_lightning.module import bind_model, param_dtype
@@ -219,7 +219,8 @@ class FederatedTrainer:
         self._events = TrainerEvents(self)
         self.algorithm.setup(self._events.context())
         fp = fingerprint(self.module, datamodule, self.algorithm, self.seed)
-        self.store = RunStore(FLCache(run_dir / "cache"), fp, self.seed, write=self.is_global_zero)
+        body = readable_body(self.module, datamodule, self.algorithm, self.seed)
+        self.store = RunStore(FLCache(run_dir / "cache"), fp, self.seed, write=self.is_global_zero, body=body)
 
     def evaluate(self, params: dict[str, Tensor]) -> tuple[float, float]:
         """Test accuracy and loss of a model given by its parameters."""
@@ -271,7 +272,7 @@ class FederatedTrainer:
         try:
             with run_lock(run_dir):  # one process trains a run: a second resume stops in one line
                 self._setup(model, datamodule, run_dir, "fit")
-                self.store.claim(resume, readable_body(self.module, datamodule, self.algorithm, self.seed))
+                self.store.claim(resume)
                 return run_fit(self, run_dir, resume, exclude_clients or [])
         except BaseException as e:
             # A run that failed before its first cache commit holds nothing worth keeping.
@@ -288,8 +289,6 @@ class FederatedTrainer:
     ) -> None:
         run_dir = existing_run_dir(ckpt_path, command)
         self._setup(model, datamodule, run_dir, command)
-        if command in ("unlearn", "audit"):  # they retrain: the optimizer must be fit's
-            self.store.check_optimizer(optimizer_body(self.module))
         load_run(self, run_dir)
         self.log_step_start = int(wandb_state(run_dir).get("step", 0))
 

@@ -49,12 +49,14 @@ def test_fit_records_the_optimizer_and_unlearn_refuses_another(tmp_path):
     assert body["class"] == "SGD" and body["groups"][0][1]["lr"] == 0.05
     assert body["round_lrs"] == [[0.05], [0.025], [0.0125], [0.00625]]  # StepLR(gamma 0.5), per round
     before = sorted(p.name for p in (run / "cache").rglob("*"))
-    for changed, where in (({"lr": 0.5}, "optimizer.groups"), ({"gamma": 0.9}, "optimizer.round_lrs")):
+    where_lr = r"optimizer.groups.0.1.lr: 0.05 in the run, 0.5 now"
+    for changed, where in (
+        ({"lr": 0.5}, where_lr),
+        ({"gamma": 0.9}, r"optimizer.round_lrs.1.0: 0.025 in the run"),
+    ):
         for command in ("unlearn", "audit"):
             args = (str(run), [3]) if command == "unlearn" else (str(run),)
-            with pytest.raises(
-                CacheError, match=rf"another client optimizer \({where}.* in the run, .* now\)"
-            ):
+            with pytest.raises(CacheError, match=rf"another client optimizer \({where}"):
                 getattr(tiny_trainer(tmp_path, vectorize="always"), command)(
                     *_fresh(**{"gamma": 0.5, **changed}), *args
                 )
@@ -76,3 +78,16 @@ def test_a_run_without_the_record_is_still_accepted(tmp_path):
     path.write_text(json.dumps(recorded))
     report = tiny_trainer(tmp_path, vectorize="always").unlearn(*_fresh(), str(tr.run_dir), [3])
     assert report["client_steps"] > 0
+
+
+def test_unlearn_with_another_setting_names_it(tmp_path):
+    """Not only two hashes: the setting that differs from the run's, as a resume names it."""
+    tr = tiny_trainer(tmp_path, vectorize="always")
+    tr.fit(*_fresh())
+    torch.manual_seed(0)
+    other = tiny_data(rho=0.3)
+    with pytest.raises(
+        CacheError,
+        match=r"another config or dataset \(data_settings.init_args.rho: 0.5 in the run, 0.3 now\)",
+    ):
+        tiny_trainer(tmp_path, vectorize="always").unlearn(AttributeLR(), other, str(tr.run_dir), [3])
