@@ -37,12 +37,20 @@ from typing import Literal
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import Tensor, nn
 
 from fedshard_lightning.errors import ConfigError, ContractError
 from fedshard_lightning.init_args import RecordsInitArgs
 
-__all__ = ["FederatedModule", "bind_model", "check_trainable", "client_buffer_names", "param_dtype"]
+__all__ = [
+    "FederatedModule",
+    "bind_model",
+    "check_trainable",
+    "client_buffer_names",
+    "param_dtype",
+    "takes_batch_idx",
+]
 
 
 class FederatedModule(RecordsInitArgs, L.LightningModule):
@@ -87,6 +95,7 @@ class FederatedModule(RecordsInitArgs, L.LightningModule):
             self.input_shape = tuple(int(s) for s in input_shape)
         if self.num_classes is None:
             self.num_classes = int(num_classes)
+        setup_once(self)
         self.configure_model()
         if not any(True for _ in self.parameters()):
             raise ContractError(f"{type(self).__name__} has no parameters after configure_model()")
@@ -179,17 +188,38 @@ def check_trainable(model: nn.Module) -> None:
         raise ContractError(f"{owner} has no trainable parameters")
 
 
+def takes_batch_idx(module: nn.Module) -> bool:
+    """Whether ``training_step`` takes ``batch_idx``: Lightning 2 also accepts ``training_step(batch)``.
+
+    The rule is Lightning's own (a parameter named ``batch_idx``, ``*args``, or two parameters).
+    """
+    return is_param_in_hook_signature(module.training_step, "batch_idx", min_args=2)
+
+
+def setup_once(model: L.LightningModule) -> None:
+    """Call ``setup("fit")`` as Lightning's Trainer does before ``configure_model``, once per model.
+
+    A model may build its layers there; a second call (the same object bound again) could build
+    them anew with other random weights, so it is skipped.
+    """
+    if model.__dict__.get("_fedshard_setup_done"):
+        return
+    model.setup("fit")
+    object.__setattr__(model, "_fedshard_setup_done", True)
+
+
 def bind_model(model: L.LightningModule, input_shape: Sequence[int], num_classes: int) -> None:
     """Make a model ready for the engine: shapes from the data, lazy layers built, contract checked.
 
-    A :class:`FederatedModule` takes its open shapes from the data (``bind_data``); a plain
-    LightningModule builds its layers itself (``__init__`` or ``configure_model``) and gets one
-    dry run on a zero batch, which materialises lazy layers and checks that ``forward`` accepts
-    the datamodule's samples.
+    As Lightning's Trainer does, ``setup("fit")`` (once per model) and ``configure_model()`` build
+    the layers. A :class:`FederatedModule` takes its open shapes from the data (``bind_data``); a
+    plain LightningModule gets one dry run on a zero batch, which materialises lazy layers and
+    checks that ``forward`` accepts the datamodule's samples.
     """
     if isinstance(model, FederatedModule):
         model.bind_data(input_shape, num_classes)
     else:
+        setup_once(model)
         model.configure_model()
         owner = type(model).__name__
         was_training = model.training

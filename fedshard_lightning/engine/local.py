@@ -35,7 +35,7 @@ from fedshard_lightning.engine.schedule import LocalSchedule
 from fedshard_lightning.engine.stacked import ConvMode, Kernel, KernelChoice, StackedProgram
 from fedshard_lightning.engine.step_context import RandomInStep, StepContext, step_keys, step_loss
 from fedshard_lightning.engine.step_layout import StepLayouts
-from fedshard_lightning.module import FederatedModule
+from fedshard_lightning.module import FederatedModule, takes_batch_idx
 
 __all__ = ["ClientBatch", "Kernel", "KernelChoice", "LocalTrainer", "RandomInStep", "step_loss"]
 
@@ -52,11 +52,16 @@ class _StepCaller(nn.Module):
         super().__init__()
         self.m = module
         self.ctx = ctx
+        self._with_idx = takes_batch_idx(module)
+
+    def _step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Any:
+        """``training_step``, given ``batch_idx`` only where it takes one (``training_step(batch)``)."""
+        return self.m.training_step(batch, batch_idx) if self._with_idx else self.m.training_step(batch)
 
     def forward(self, x: Tensor, y: Tensor, key: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         self.ctx.begin(key)
         try:
-            loss = step_loss(self.m.training_step((x, y), 0), type(self.m).__name__)
+            loss = step_loss(self._step((x, y), 0), type(self.m).__name__)
         finally:
             logged = self.ctx.end()
         return loss, logged
@@ -365,7 +370,7 @@ class LocalTrainer:
     def train_loop(
         self, start: dict[str, Tensor], batch: ClientBatch, rows: Tensor | None = None
     ) -> LocalResult:
-        """One client after the other with the user's own optimizer and ``backward`` (args as stacked)."""
+        """One client after the other with the user's own optimizer (args as stacked)."""
         if self._worker is None:
             self._worker = copy.deepcopy(self.module)
             self._worker_ctx = StepContext.of(self._worker)
