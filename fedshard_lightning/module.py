@@ -2,7 +2,11 @@
 
 Any ``lightning.LightningModule`` with ``forward``, ``training_step`` and ``configure_optimizers``
 trains federatedly (:func:`bind_model` prepares it; ``docs/architecture.md``, "Seams", says what a
-step may do: ``self.log``, ``nn.Dropout``, BatchNorm, one round-based LR scheduler).
+step may do: ``self.log``, ``nn.Dropout``, BatchNorm, one round-based LR scheduler). Local training
+calls ``setup("fit")`` and ``configure_model()`` once, then only ``training_step`` and
+``configure_optimizers``: the training-loop hooks of Lightning's Trainer (``on_train_epoch_start``,
+``on_after_backward``, ``configure_gradient_clipping``, ``backward``, ...) and manual optimization
+are refused before training, and ``self.current_epoch`` and ``self.global_step`` stay 0.
 :class:`FederatedModule` adds what makes the engine fastest and configs shortest:
 
 * ``forward(x)`` maps a batch of inputs to logits; layers are built in ``configure_model`` once
@@ -52,9 +56,34 @@ __all__ = [
     "takes_batch_idx",
 ]
 
+# Hooks of Lightning's training loop that federated local training never calls: a model that
+# overrides one would train without its logic and nobody would notice, so it is refused.
+LOOP_HOOKS = (
+    "on_fit_start",
+    "on_fit_end",
+    "on_train_start",
+    "on_train_end",
+    "on_train_epoch_start",
+    "on_train_epoch_end",
+    "on_train_batch_start",
+    "on_train_batch_end",
+    "on_before_backward",
+    "backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "configure_gradient_clipping",
+    "optimizer_step",
+    "on_before_zero_grad",
+    "optimizer_zero_grad",
+    "lr_scheduler_step",
+)
+
 
 class FederatedModule(RecordsInitArgs, L.LightningModule):
     """Base class of every model trained by the federated engine.
+
+    Local training calls ``training_step`` and ``configure_optimizers`` only (see the module
+    docstring); ``self.current_epoch`` and ``self.global_step`` are not advanced (they stay 0).
 
     Args:
         optimizer: Client optimizer of the default ``configure_optimizers``: ``sgd``, ``adam`` or ``adamw``.
@@ -208,16 +237,39 @@ def setup_once(model: L.LightningModule) -> None:
     object.__setattr__(model, "_fedshard_setup_done", True)
 
 
+def check_loop_hooks(model: L.LightningModule) -> None:
+    """Refuse manual optimization and training-loop hooks, which local training would ignore."""
+    owner = type(model).__name__
+    if not model.automatic_optimization:
+        raise ContractError(
+            f"{owner} sets automatic_optimization=False (manual optimization), which federated local "
+            "training does not support: it steps the optimizer of configure_optimizers itself; "
+            "return the loss from training_step and leave automatic_optimization True"
+        )
+    bases = (L.LightningModule, FederatedModule)
+    own = [h for h in LOOP_HOOKS if all(getattr(type(model), h) is not getattr(b, h) for b in bases)]
+    if own:
+        raise ContractError(
+            f"{owner} overrides {', '.join(own)}, which federated local training never calls (it "
+            "calls training_step and configure_optimizers only); move this logic into training_step"
+        )
+
+
 def bind_model(model: L.LightningModule, input_shape: Sequence[int], num_classes: int) -> None:
     """Make a model ready for the engine: shapes from the data, lazy layers built, contract checked.
 
-    As Lightning's Trainer does, ``setup("fit")`` (once per model) and ``configure_model()`` build
-    the layers. A :class:`FederatedModule` takes its open shapes from the data (``bind_data``); a
-    plain LightningModule gets one dry run on a zero batch, which materialises lazy layers and
-    checks that ``forward`` accepts the datamodule's samples.
+    Hooks the local training would ignore and manual optimization are refused first. Then, as
+    Lightning's Trainer does, ``setup("fit")`` and ``configure_model()`` build the layers (the
+    former once per model). A :class:`FederatedModule` takes its open shapes from the data
+    (``bind_data``); a plain LightningModule gets one dry run on a zero batch, which
+    materialises lazy layers and checks that ``forward`` accepts the datamodule's samples. Local
+    training calls ``training_step`` and ``configure_optimizers`` only; ``self.current_epoch``
+    and ``self.global_step`` are not advanced.
     """
+    check_loop_hooks(model)
     if isinstance(model, FederatedModule):
         model.bind_data(input_shape, num_classes)
+        check_trainable(model)
     else:
         setup_once(model)
         model.configure_model()
@@ -235,4 +287,4 @@ def bind_model(model: L.LightningModule, input_shape: Sequence[int], num_classes
             ) from None
         finally:
             model.train(was_training)
-    check_trainable(model)
+        check_trainable(model)

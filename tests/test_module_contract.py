@@ -1,5 +1,6 @@
-"""What ``bind_model`` accepts from a user's LightningModule.
+"""What ``bind_model`` accepts from a user's LightningModule, and what it refuses in one line.
 
+Refused before training: training-loop hooks the engine never calls, manual optimization.
 Supported as Lightning supports them: layers built in ``setup(stage)``, ``training_step(batch)``
 without ``batch_idx`` (fit, unlearn and audit bit-exact in float32 on both paths; stacked equals
 the loop in float64).
@@ -15,6 +16,7 @@ from _tiny import tiny_data, tiny_trainer
 from torch import nn
 
 from fedshard_lightning.engine import FederatedEngine, Group, LocalSchedule, stack_params
+from fedshard_lightning.errors import ContractError
 from fedshard_lightning.module import bind_model
 
 
@@ -36,6 +38,20 @@ class Plain(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+class Hooked(Plain):
+    def on_train_epoch_start(self) -> None:
+        pass
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        self.clip_gradients(optimizer, gradient_clip_val=0.01, gradient_clip_algorithm="value")
+
+
+class Manual(Plain):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+
 class LazySetup(Plain):
     """Builds its layers in ``setup(stage)`` (Lightning calls it before ``configure_model``)."""
 
@@ -53,6 +69,31 @@ class NoBatchIdx(Plain):
     def training_step(self, batch):
         x, y = batch
         return F.cross_entropy(self(x), y)
+
+
+def _refusal(model: L.LightningModule) -> str:
+    dm = tiny_data()
+    dm.setup()
+    with pytest.raises(ContractError) as err:
+        bind_model(model, dm.input_shape, dm.num_classes)
+    assert "\n" not in str(err.value)
+    return str(err.value)
+
+
+def test_training_loop_hooks_refused_in_one_line():
+    assert _refusal(Hooked()) == (
+        "Hooked overrides on_train_epoch_start, configure_gradient_clipping, which federated local "
+        "training never calls (it calls training_step and configure_optimizers only); move this "
+        "logic into training_step"
+    )
+
+
+def test_manual_optimization_refused_in_one_line():
+    assert _refusal(Manual()) == (
+        "Manual sets automatic_optimization=False (manual optimization), which federated local "
+        "training does not support: it steps the optimizer of configure_optimizers itself; return "
+        "the loss from training_step and leave automatic_optimization True"
+    )
 
 
 def _fit_unlearn_audit(tmp_path, cls: type, vectorize: str) -> None:
