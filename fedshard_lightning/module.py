@@ -130,8 +130,9 @@ class FederatedModule(RecordsInitArgs, L.LightningModule):
             raise ContractError(f"{type(self).__name__} has no parameters after configure_model()")
         with torch.no_grad():  # materialise lazy layers with a dry run
             self.eval()
-            self(torch.zeros(1, *self.input_shape, dtype=self.param_dtype))
+            out = self(torch.zeros(1, *self.input_shape, dtype=self.param_dtype))
             self.train()
+        check_outputs(self, out, int(num_classes))
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -255,6 +256,63 @@ def check_loop_hooks(model: L.LightningModule) -> None:
         )
 
 
+def check_outputs(model: nn.Module, out: object, num_classes: int) -> None:
+    """Refuse a model with fewer outputs than the data has classes (a raw index error later)."""
+    if isinstance(out, Tensor) and out.ndim >= 2 and out.shape[-1] < num_classes:
+        raise ContractError(
+            f"{type(model).__name__}.forward returns {out.shape[-1]} outputs per sample but the "
+            f"datamodule has {num_classes} classes; make the last layer {num_classes} wide"
+        )
+
+
+def check_step_buffers(model: L.LightningModule, input_shape: Sequence[int], num_classes: int) -> None:
+    """Refuse buffers that ``training_step`` changes, other than BatchNorm's running statistics.
+
+    Only those are kept per client (:func:`client_buffer_names`); any other buffer is shared by all
+    clients, so a step that updates it would leak one client's data into the next (loop) or fail
+    to broadcast (stacked). One dry step on a zero batch finds them by their version counters; it
+    leaves every buffer, the random streams and the train/eval mode as they were.
+    """
+    from fedshard_lightning.engine.step_context import StepContext  # the engine imports this module
+
+    bn = {
+        f"{name}.{b}" if name else b
+        for name, sub in model.named_modules()
+        if isinstance(sub, nn.modules.batchnorm._BatchNorm)
+        for b, _ in sub.named_buffers(recurse=False)
+    }
+    buffers = dict(model.named_buffers())
+    versions = {n: (b, b._version) for n, b in buffers.items() if n not in bn}
+    if not versions:  # nothing a step could leak: no dry step at all
+        return
+    saved = {n: buffers[n].detach().clone() for n in bn}  # the dry step moves BN statistics
+    device = next(model.parameters()).device
+    x = torch.zeros(2, *input_shape, dtype=param_dtype(model), device=device)
+    batch = (x, torch.arange(2, device=device) % max(int(num_classes), 1))
+    ctx, was_training = StepContext.of(model), model.training
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        model.train()
+        ctx.begin(torch.zeros((), dtype=torch.int64, device=device))
+        try:
+            model.training_step(*((batch, 0) if takes_batch_idx(model) else (batch,)))
+        except Exception:  # the zero batch is only a probe: real training reports its own errors
+            pass
+        finally:
+            ctx.end()
+            model.train(was_training)
+    with torch.no_grad():
+        for n, v in saved.items():
+            buffers[n].copy_(v)
+    now = dict(model.named_buffers())
+    changed = [n for n, (b, v) in versions.items() if now.get(n) is not b or b._version != v]
+    if changed:
+        raise ContractError(
+            f"{type(model).__name__}.training_step changes buffer {', '.join(changed)}, which all "
+            "clients share (only BatchNorm running statistics are kept per client); keep it "
+            "constant during training, e.g. compute it from the data before fit"
+        )
+
+
 def bind_model(model: L.LightningModule, input_shape: Sequence[int], num_classes: int) -> None:
     """Make a model ready for the engine: shapes from the data, lazy layers built, contract checked.
 
@@ -262,9 +320,10 @@ def bind_model(model: L.LightningModule, input_shape: Sequence[int], num_classes
     Lightning's Trainer does, ``setup("fit")`` and ``configure_model()`` build the layers (the
     former once per model). A :class:`FederatedModule` takes its open shapes from the data
     (``bind_data``); a plain LightningModule gets one dry run on a zero batch, which
-    materialises lazy layers and checks that ``forward`` accepts the datamodule's samples. Local
-    training calls ``training_step`` and ``configure_optimizers`` only; ``self.current_epoch``
-    and ``self.global_step`` are not advanced.
+    materialises lazy layers and checks that ``forward`` accepts the datamodule's samples, and
+    that it has an output per class. Last, one dry training step checks that it changes no shared
+    buffer. Local training calls ``training_step`` and ``configure_optimizers`` only;
+    ``self.current_epoch`` and ``self.global_step`` are not advanced.
     """
     check_loop_hooks(model)
     if isinstance(model, FederatedModule):
@@ -278,7 +337,7 @@ def bind_model(model: L.LightningModule, input_shape: Sequence[int], num_classes
         try:
             with torch.no_grad():
                 model.eval()
-                model(torch.zeros(2, *input_shape, dtype=param_dtype(model)))
+                out = model(torch.zeros(2, *input_shape, dtype=param_dtype(model)))
         except Exception as err:  # the user's forward may raise anything
             msg = " ".join(str(err).split())[:200]
             raise ContractError(
@@ -287,4 +346,6 @@ def bind_model(model: L.LightningModule, input_shape: Sequence[int], num_classes
             ) from None
         finally:
             model.train(was_training)
-        check_trainable(model)
+        check_trainable(model)  # first: its refusals name the layer to change
+        check_outputs(model, out, num_classes)
+    check_step_buffers(model, input_shape, num_classes)

@@ -1,6 +1,7 @@
 """What ``bind_model`` accepts from a user's LightningModule, and what it refuses in one line.
 
-Refused before training: training-loop hooks the engine never calls, manual optimization.
+Refused before training: training-loop hooks the engine never calls, manual optimization, a
+buffer the training step changes (other than BatchNorm's statistics), fewer outputs than classes.
 Supported as Lightning supports them: layers built in ``setup(stage)``, ``training_step(batch)``
 without ``batch_idx`` (fit, unlearn and audit bit-exact in float32 on both paths; stacked equals
 the loop in float64).
@@ -52,6 +53,38 @@ class Manual(Plain):
         self.automatic_optimization = False
 
 
+class RunningMean(Plain):
+    """Updates a running input mean in the step: shared by all clients, so it would leak."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("xmean", torch.zeros(10))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        with torch.no_grad():
+            self.xmean.mul_(0.9).add_(0.1 * x.mean(0))
+        return F.cross_entropy(self(x - self.xmean), y)
+
+
+class ConstantBufferBN(Plain):
+    """A constant buffer and BatchNorm statistics: accepted, and left as they were by the check."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("shift", torch.full((10,), 0.5))
+        self.net = nn.Sequential(nn.Linear(10, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x - self.shift)
+
+
+class ThreeOutputs(Plain):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(10, 3)
+
+
 class LazySetup(Plain):
     """Builds its layers in ``setup(stage)`` (Lightning calls it before ``configure_model``)."""
 
@@ -93,6 +126,31 @@ def test_manual_optimization_refused_in_one_line():
         "Manual sets automatic_optimization=False (manual optimization), which federated local "
         "training does not support: it steps the optimizer of configure_optimizers itself; return "
         "the loss from training_step and leave automatic_optimization True"
+    )
+
+
+def test_buffer_changed_by_training_step_refused_in_one_line():
+    assert _refusal(RunningMean()) == (
+        "RunningMean.training_step changes buffer xmean, which all clients share (only BatchNorm "
+        "running statistics are kept per client); keep it constant during training, e.g. compute "
+        "it from the data before fit"
+    )
+    dm = tiny_data()
+    dm.setup()
+    torch.manual_seed(0)
+    model = ConstantBufferBN()
+    bind_model(model, dm.input_shape, dm.num_classes)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    bind_model(model, dm.input_shape, dm.num_classes)  # the dry step moves nothing
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(rng, torch.get_rng_state())
+
+
+def test_fewer_outputs_than_classes_refused_in_one_line():
+    assert _refusal(ThreeOutputs()) == (
+        "ThreeOutputs.forward returns 3 outputs per sample but the datamodule has 4 classes; "
+        "make the last layer 4 wide"
     )
 
 
