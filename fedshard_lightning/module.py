@@ -2,7 +2,11 @@
 
 Any ``lightning.LightningModule`` with ``forward``, ``training_step`` and ``configure_optimizers``
 trains federatedly (:func:`bind_model` prepares it; ``docs/architecture.md``, "Seams", says what a
-step may do: ``self.log``, ``nn.Dropout``, BatchNorm, one round-based LR scheduler).
+step may do: ``self.log``, ``nn.Dropout``, BatchNorm, one round-based LR scheduler). Local training
+calls ``setup("fit")`` and ``configure_model()`` once, then only ``training_step`` and
+``configure_optimizers``: the training-loop hooks of Lightning's Trainer (``on_train_epoch_start``,
+``on_after_backward``, ``configure_gradient_clipping``, ``backward``, ...) and manual optimization
+are refused before training, and ``self.current_epoch`` and ``self.global_step`` stay 0.
 :class:`FederatedModule` adds what makes the engine fastest and configs shortest:
 
 * ``forward(x)`` maps a batch of inputs to logits; layers are built in ``configure_model`` once
@@ -37,16 +41,49 @@ from typing import Literal
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import Tensor, nn
 
 from fedshard_lightning.errors import ConfigError, ContractError
 from fedshard_lightning.init_args import RecordsInitArgs
 
-__all__ = ["FederatedModule", "bind_model", "check_trainable", "client_buffer_names", "param_dtype"]
+__all__ = [
+    "FederatedModule",
+    "bind_model",
+    "check_trainable",
+    "client_buffer_names",
+    "param_dtype",
+    "takes_batch_idx",
+]
+
+# Hooks of Lightning's training loop that federated local training never calls: a model that
+# overrides one would train without its logic and nobody would notice, so it is refused.
+LOOP_HOOKS = (
+    "on_fit_start",
+    "on_fit_end",
+    "on_train_start",
+    "on_train_end",
+    "on_train_epoch_start",
+    "on_train_epoch_end",
+    "on_train_batch_start",
+    "on_train_batch_end",
+    "on_before_backward",
+    "backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "configure_gradient_clipping",
+    "optimizer_step",
+    "on_before_zero_grad",
+    "optimizer_zero_grad",
+    "lr_scheduler_step",
+)
 
 
 class FederatedModule(RecordsInitArgs, L.LightningModule):
     """Base class of every model trained by the federated engine.
+
+    Local training calls ``training_step`` and ``configure_optimizers`` only (see the module
+    docstring); ``self.current_epoch`` and ``self.global_step`` are not advanced (they stay 0).
 
     Args:
         optimizer: Client optimizer of the default ``configure_optimizers``: ``sgd``, ``adam`` or ``adamw``.
@@ -87,13 +124,15 @@ class FederatedModule(RecordsInitArgs, L.LightningModule):
             self.input_shape = tuple(int(s) for s in input_shape)
         if self.num_classes is None:
             self.num_classes = int(num_classes)
+        setup_once(self)
         self.configure_model()
         if not any(True for _ in self.parameters()):
             raise ContractError(f"{type(self).__name__} has no parameters after configure_model()")
         with torch.no_grad():  # materialise lazy layers with a dry run
             self.eval()
-            self(torch.zeros(1, *self.input_shape, dtype=self.param_dtype))
+            out = self(torch.zeros(1, *self.input_shape, dtype=self.param_dtype))
             self.train()
+        check_outputs(self, out, int(num_classes))
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -179,24 +218,126 @@ def check_trainable(model: nn.Module) -> None:
         raise ContractError(f"{owner} has no trainable parameters")
 
 
+def takes_batch_idx(module: nn.Module) -> bool:
+    """Whether ``training_step`` takes ``batch_idx``: Lightning 2 also accepts ``training_step(batch)``.
+
+    The rule is Lightning's own (a parameter named ``batch_idx``, ``*args``, or two parameters).
+    """
+    return is_param_in_hook_signature(module.training_step, "batch_idx", min_args=2)
+
+
+def setup_once(model: L.LightningModule) -> None:
+    """Call ``setup("fit")`` as Lightning's Trainer does before ``configure_model``, once per model.
+
+    A model may build its layers there; a second call (the same object bound again) could build
+    them anew with other random weights, so it is skipped.
+    """
+    if model.__dict__.get("_fedshard_setup_done"):
+        return
+    model.setup("fit")
+    object.__setattr__(model, "_fedshard_setup_done", True)
+
+
+def check_loop_hooks(model: L.LightningModule) -> None:
+    """Refuse manual optimization and training-loop hooks, which local training would ignore."""
+    owner = type(model).__name__
+    if not model.automatic_optimization:
+        raise ContractError(
+            f"{owner} sets automatic_optimization=False (manual optimization), which federated local "
+            "training does not support: it steps the optimizer of configure_optimizers itself; "
+            "return the loss from training_step and leave automatic_optimization True"
+        )
+    bases = (L.LightningModule, FederatedModule)
+    own = [h for h in LOOP_HOOKS if all(getattr(type(model), h) is not getattr(b, h) for b in bases)]
+    if own:
+        raise ContractError(
+            f"{owner} overrides {', '.join(own)}, which federated local training never calls (it "
+            "calls training_step and configure_optimizers only); move this logic into training_step"
+        )
+
+
+def check_outputs(model: nn.Module, out: object, num_classes: int) -> None:
+    """Refuse a model with fewer outputs than the data has classes (a raw index error later)."""
+    if isinstance(out, Tensor) and out.ndim >= 2 and out.shape[-1] < num_classes:
+        raise ContractError(
+            f"{type(model).__name__}.forward returns {out.shape[-1]} outputs per sample but the "
+            f"datamodule has {num_classes} classes; make the last layer {num_classes} wide"
+        )
+
+
+def check_step_buffers(model: L.LightningModule, input_shape: Sequence[int], num_classes: int) -> None:
+    """Refuse buffers that ``training_step`` changes, other than BatchNorm's running statistics.
+
+    Only those are kept per client (:func:`client_buffer_names`); any other buffer is shared by all
+    clients, so a step that updates it would leak one client's data into the next (loop) or fail
+    to broadcast (stacked). One dry step on a zero batch finds them by their version counters; it
+    leaves every buffer, the random streams and the train/eval mode as they were.
+    """
+    from fedshard_lightning.engine.step_context import StepContext  # the engine imports this module
+
+    bn = {
+        f"{name}.{b}" if name else b
+        for name, sub in model.named_modules()
+        if isinstance(sub, nn.modules.batchnorm._BatchNorm)
+        for b, _ in sub.named_buffers(recurse=False)
+    }
+    buffers = dict(model.named_buffers())
+    versions = {n: (b, b._version) for n, b in buffers.items() if n not in bn}
+    if not versions:  # nothing a step could leak: no dry step at all
+        return
+    saved = {n: buffers[n].detach().clone() for n in bn}  # the dry step moves BN statistics
+    device = next(model.parameters()).device
+    x = torch.zeros(2, *input_shape, dtype=param_dtype(model), device=device)
+    batch = (x, torch.arange(2, device=device) % max(int(num_classes), 1))
+    ctx, was_training = StepContext.of(model), model.training
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        model.train()
+        ctx.begin(torch.zeros((), dtype=torch.int64, device=device))
+        try:
+            model.training_step(*((batch, 0) if takes_batch_idx(model) else (batch,)))
+        except Exception:  # the zero batch is only a probe: real training reports its own errors
+            pass
+        finally:
+            ctx.end()
+            model.train(was_training)
+    with torch.no_grad():
+        for n, v in saved.items():
+            buffers[n].copy_(v)
+    now = dict(model.named_buffers())
+    changed = [n for n, (b, v) in versions.items() if now.get(n) is not b or b._version != v]
+    if changed:
+        raise ContractError(
+            f"{type(model).__name__}.training_step changes buffer {', '.join(changed)}, which all "
+            "clients share (only BatchNorm running statistics are kept per client); keep it "
+            "constant during training, e.g. compute it from the data before fit"
+        )
+
+
 def bind_model(model: L.LightningModule, input_shape: Sequence[int], num_classes: int) -> None:
     """Make a model ready for the engine: shapes from the data, lazy layers built, contract checked.
 
-    A :class:`FederatedModule` takes its open shapes from the data (``bind_data``); a plain
-    LightningModule builds its layers itself (``__init__`` or ``configure_model``) and gets one
-    dry run on a zero batch, which materialises lazy layers and checks that ``forward`` accepts
-    the datamodule's samples.
+    Hooks the local training would ignore and manual optimization are refused first. Then, as
+    Lightning's Trainer does, ``setup("fit")`` and ``configure_model()`` build the layers (the
+    former once per model). A :class:`FederatedModule` takes its open shapes from the data
+    (``bind_data``); a plain LightningModule gets one dry run on a zero batch, which
+    materialises lazy layers and checks that ``forward`` accepts the datamodule's samples, and
+    that it has an output per class. Last, one dry training step checks that it changes no shared
+    buffer. Local training calls ``training_step`` and ``configure_optimizers`` only;
+    ``self.current_epoch`` and ``self.global_step`` are not advanced.
     """
+    check_loop_hooks(model)
     if isinstance(model, FederatedModule):
         model.bind_data(input_shape, num_classes)
+        check_trainable(model)
     else:
+        setup_once(model)
         model.configure_model()
         owner = type(model).__name__
         was_training = model.training
         try:
             with torch.no_grad():
                 model.eval()
-                model(torch.zeros(2, *input_shape, dtype=param_dtype(model)))
+                out = model(torch.zeros(2, *input_shape, dtype=param_dtype(model)))
         except Exception as err:  # the user's forward may raise anything
             msg = " ".join(str(err).split())[:200]
             raise ContractError(
@@ -205,4 +346,6 @@ def bind_model(model: L.LightningModule, input_shape: Sequence[int], num_classes
             ) from None
         finally:
             model.train(was_training)
-    check_trainable(model)
+        check_trainable(model)  # first: its refusals name the layer to change
+        check_outputs(model, out, num_classes)
+    check_step_buffers(model, input_shape, num_classes)

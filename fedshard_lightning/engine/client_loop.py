@@ -1,7 +1,7 @@
 """The per-client loop: the reference every stacked kernel is tested against, and the fallback.
 
-One client after the other, with the user's own ``configure_optimizers`` and ``backward``, on a
-deep copy of the model (the worker). What a step may do is keyed as in the stacked path
+One client after the other, with the user's own ``configure_optimizers``, on a deep copy of the
+model (the worker); ``training_step`` gets the local step as ``batch_idx`` where it takes one. What a step may do is keyed as in the stacked path
 (:mod:`.step_context`): ``nn.Dropout`` masks from the client's step key, ``self.log`` values per
 client; other random operators draw from the device's generator, seeded with the same key before
 every step (inside ``fork_rng``, so the user's own stream is left as it was).
@@ -18,6 +18,7 @@ from torch import Tensor
 
 from fedshard_lightning.engine.optim import RoundLR, normalize_optimizer
 from fedshard_lightning.engine.step_context import step_loss
+from fedshard_lightning.module import takes_batch_idx
 
 if TYPE_CHECKING:
     from fedshard_lightning.engine.local import LocalTrainer
@@ -85,6 +86,7 @@ def run_client_loop(
         else torch.default_generator
     )
     owner = type(worker).__name__
+    with_idx = takes_batch_idx(worker)  # Lightning 2 also accepts training_step(batch)
     rng_devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=rng_devices):  # the user's global stream is left as it was
         for i in range(len(batch.clients)):
@@ -106,7 +108,8 @@ def run_client_loop(
                 gen.manual_seed(int(keys[i, s]))
                 tr._worker_ctx.begin(keys_t[i, s])
                 try:
-                    loss = step_loss(worker.training_step((x, y), s), owner)
+                    ret = worker.training_step((x, y), s) if with_idx else worker.training_step((x, y))
+                    loss = step_loss(ret, owner)
                 finally:
                     logged = tr._worker_ctx.end()
                 loss.backward()

@@ -36,7 +36,7 @@ from fedshard_lightning.engine.stacked import ConvMode, Kernel, KernelChoice, St
 from fedshard_lightning.engine.step_context import NotVectorizable, StepContext, step_keys, step_loss
 from fedshard_lightning.engine.step_layout import StepLayouts
 from fedshard_lightning.engine.vmap_limits import not_vectorizable, vmap_blocker
-from fedshard_lightning.module import FederatedModule
+from fedshard_lightning.module import FederatedModule, takes_batch_idx
 
 __all__ = ["ClientBatch", "Kernel", "KernelChoice", "LocalTrainer", "NotVectorizable", "step_loss"]
 
@@ -55,11 +55,16 @@ class _StepCaller(nn.Module):
         self.m = module
         self.ctx = ctx
         self.batch_idx = 0
+        self._with_idx = takes_batch_idx(module)
+
+    def _step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Any:
+        """``training_step``, given ``batch_idx`` only where it takes one (``training_step(batch)``)."""
+        return self.m.training_step(batch, batch_idx) if self._with_idx else self.m.training_step(batch)
 
     def forward(self, x: Tensor, y: Tensor, key: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         self.ctx.begin(key, stacked=True)
         try:
-            loss = step_loss(self.m.training_step((x, y), self.batch_idx), type(self.m).__name__)
+            loss = step_loss(self._step((x, y), self.batch_idx), type(self.m).__name__)
         finally:
             logged = self.ctx.end()
         return loss, logged
@@ -372,7 +377,7 @@ class LocalTrainer:
     def train_loop(
         self, start: dict[str, Tensor], batch: ClientBatch, rows: Tensor | None = None
     ) -> LocalResult:
-        """One client after the other with the user's own optimizer and ``backward`` (args as stacked)."""
+        """One client after the other with the user's own optimizer (args as stacked)."""
         if self._worker is None:
             self._worker = copy.deepcopy(self.module)
             self._worker_ctx = StepContext.of(self._worker)
