@@ -87,20 +87,27 @@ def _innermost_reason(message: str) -> str:
 
 def _check_config_files(argv: list[str]) -> None:
     """Name the file in errors about a malformed ``--config`` (jsonargparse does not)."""
-    import yaml
-
     paths = [b for a, b in itertools.pairwise(argv) if a in ("--config", "-c")]
     paths += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
     for p in paths:
-        if not os.path.isfile(p):
-            continue
-        try:
-            with open(p) as f:
-                data = yaml.safe_load(f)
-        except yaml.YAMLError as e:
-            raise ConfigError(f"--config {p}: not valid YAML ({_one_line(str(e), 200)})") from None
-        if data is not None and not isinstance(data, dict):
-            raise ConfigError(f"--config {p}: expected a mapping of settings, got {type(data).__name__}")
+        if os.path.isfile(p):
+            check_config_file(Path(p), f"--config {p}", "fix the file")
+
+
+def check_config_file(path: Path, name: str, fix: str) -> None:
+    """Refuse a config file that is not UTF-8, not YAML, empty or not a mapping, in one line naming it."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{name}: not UTF-8 text (byte {e.start}); {fix}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{name}: not valid YAML ({_one_line(str(e), 200)}); {fix}") from None
+    if data is None:
+        raise ConfigError(f"{name}: the file is empty; {fix}")
+    if not isinstance(data, dict):
+        raise ConfigError(f"{name}: expected a mapping of settings, got {type(data).__name__}; {fix}")
 
 
 _RST_ROLE = re.compile(r":(?:class|meth|func|mod|attr|obj|data|exc):`~?([^`]+)`")
@@ -141,6 +148,9 @@ def with_run_config(argv: list[str]) -> list[str]:
     config = (run.parent if run.is_file() else run) / "config.yaml"
     if not config.is_file():
         return argv
+    check_config_file(
+        config, str(config), "restore it from a backup, or delete it and pass the run's settings"
+    )
     return [argv[0], "--config", str(config), *argv[1:], *_one_process(argv, config)]
 
 
@@ -157,7 +167,7 @@ def _one_process(argv: list[str], config: Path) -> list[str]:
         return []
     try:
         trainer = (yaml.safe_load(config.read_text()) or {}).get("trainer") or {}
-    except (OSError, yaml.YAMLError, AttributeError):
+    except (OSError, ValueError, yaml.YAMLError, AttributeError):
         return []  # the config is read again (and refused in one line) by the parser
     devices, strategy = trainer.get("devices", 1), str(trainer.get("strategy", "auto"))
     if devices in (1, "1", "auto", None) and strategy in ("auto", "single_device"):

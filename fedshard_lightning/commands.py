@@ -17,6 +17,7 @@ from torch import Tensor
 
 from fedshard_lightning.callbacks.dispatch import call_hook
 from fedshard_lightning.deployed import load_model
+from fedshard_lightning.errors import CacheError
 from fedshard_lightning.run_dir import existing_run_dir, run_lock
 from fedshard_lightning.tensor_schema import schema_of
 
@@ -38,6 +39,11 @@ def run_test(trainer: Any, model: Any, datamodule: Any, ckpt_path: str | None) -
             trainer._load_run(model, datamodule, str(run_dir), "test")
             trainer.cache.verify()  # every blob of the version it reports: those the load did not read
             return _test_metrics(trainer, trainer.algorithm.current_params(), weights)
+    if not lone_file and not weights.is_file():
+        raise CacheError(
+            f"{run_dir} has no committed FLCache (cache/CURRENT) and no model file; was fit interrupted "
+            "before stage 1? resume it with fit --ckpt_path RUN_DIR"
+        )
     trainer._setup(model, datamodule, run_dir, "test")  # a model file: its hash, names, shapes and dtypes
     trainer.module.load_state_dict(
         load_model(weights, schema_of(trainer.module.state_dict()), trainer.device)

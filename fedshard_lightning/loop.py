@@ -10,6 +10,7 @@ algorithm.
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
 import time
 from collections.abc import Sequence
@@ -192,10 +193,17 @@ def run_fit(trainer: Any, run_dir: Path, resume: bool, exclude: list[int]) -> di
         "vectorize_mode": alg.engine.mode,
         "resumed": resumed,
     }
+    recorded = _read_json(run_dir / "metrics.json") if finished else None
+    if recorded is not None:  # a complete run resumed: nothing trained, so fit's own record stands
+        trainer._print(f"fit: {run_dir} was already complete; nothing was trained (its metrics.json stands)")
+        metrics = recorded
     if trainer.is_global_zero:
-        trainer._write_model(params)
-        atomic_write_json(run_dir / "metrics.json", metrics)
-        numerics.record(run_dir, trainer)
+        if recorded is None or model_is_stale(run_dir / "model.safetensors", params, trainer.device):
+            trainer._write_model(params)
+        if recorded is None:
+            atomic_write_json(run_dir / "metrics.json", metrics)
+        if recorded is None or _read_json(run_dir / numerics.FILE) is None:
+            numerics.record(run_dir, trainer)
         for name, text in alg.run_files().items():
             (run_dir / name).write_text(text)
     call_hook(trainer.fabric, "on_fit_end", trainer, metrics=metrics)
@@ -204,10 +212,19 @@ def run_fit(trainer: Any, run_dir: Path, resume: bool, exclude: list[int]) -> di
     )
     total = time.perf_counter() - t0  # with the callbacks' work at the end (replay, plots) and logging
     trainer._print(
-        f"fit done: test_accuracy={acc:.4f} test_loss={loss:.4f} client_steps={metrics['client_steps']} "
+        f"fit done: test_accuracy={acc:.4f} test_loss={loss:.4f} client_steps={metrics.get('client_steps')} "
         f"seconds={seconds:.1f} (total {total:.1f} with callbacks and logging) -> {run_dir}"
     )
     return metrics
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    """A JSON object file, or None when it is missing or damaged."""
+    try:
+        value = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def launch_fabric(

@@ -64,8 +64,10 @@ def reproduce(run_dir: Path, trainer: Any) -> list[str]:
     if not path.is_file():
         return []
     try:
-        fit_env = json.loads(path.read_text())
+        fit_env = json.loads(path.read_bytes())
     except (OSError, ValueError):
+        fit_env = None
+    if not isinstance(fit_env, dict):
         return [f"{path} is unreadable: the numerical environment of fit is unknown"]
     notes = []
     threads = fit_env.get("threads")

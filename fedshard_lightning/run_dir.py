@@ -191,7 +191,9 @@ class Journal:
                     ) from None
                 raise
             with os.fdopen(fd, "a") as f:
-                f.write(json.dumps(entry) + "\n")
+                # A crash mid-append leaves a torn last line: start on a line of our own after it.
+                torn = existed and _ends_without_newline(self.path)
+                f.write(("\n" if torn else "") + json.dumps(entry) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
         except OSError as e:  # disk full, read-only: leave the run directory as it was
@@ -209,14 +211,26 @@ class Journal:
         """Request numbers with a ``committed`` line (lines torn by a crash are skipped)."""
         done: set[int] = set()
         if self.path.is_file():
-            for line in self.path.read_text().splitlines():
+            for line in self.path.read_bytes().decode("utf-8", errors="replace").splitlines():
                 try:
                     entry = json.loads(line)
                 except json.JSONDecodeError:
                     continue
-                if isinstance(entry, dict) and entry.get("event") == "committed":
-                    done.add(int(entry.get("request", -1)))
+                if not isinstance(entry, dict) or entry.get("event") != "committed":
+                    continue
+                request = entry.get("request")
+                if isinstance(request, int) and not isinstance(request, bool):  # a damaged line is skipped
+                    done.add(request)
         return done
+
+
+def _ends_without_newline(path: Path) -> bool:
+    """Whether a non-empty file's last byte is not a newline."""
+    with open(path, "rb") as f:
+        if f.seek(0, os.SEEK_END) == 0:
+            return False
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) != b"\n"
 
 
 def _version_with_requests(cache: FLCache, n: int) -> str | None:

@@ -36,7 +36,7 @@ def _dataset(run: Path) -> str:
     try:
         config = yaml.safe_load((run / "config.yaml").read_text()) or {}
         class_path = str(config["data"]["class_path"])
-    except (OSError, yaml.YAMLError, KeyError, TypeError):
+    except (OSError, ValueError, yaml.YAMLError, KeyError, TypeError):  # ValueError: not UTF-8
         return "-"
     return class_path.rsplit(".", 1)[-1].removesuffix("DataModule").lower() or "-"
 
@@ -108,6 +108,8 @@ def runs_main(argv: list[str]) -> None:
             f"runs --root {args.root}: no such folder; give the folder that holds the run "
             "directories (fit's trainer.default_root_dir, default runs)"
         )
+    if (Path(args.root) / "cache").is_dir():
+        raise ConfigError(f"runs --root {args.root}: this is a run directory; give the folder that holds it")
     rows = list_runs(args.root)
     if not rows:
         print(f"no runs under {args.root}")
