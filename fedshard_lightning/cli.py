@@ -187,6 +187,34 @@ class PlainHelpParser(ArgumentParser):
         return plain_text(super().format_help())
 
 
+def parse_reason(message: str) -> str:
+    """A jsonargparse parse error as ``field: what was wrong`` (it nests every Union member's complaint).
+
+    ``Parser key "data" ... Parser key "rho": Expected a <class 'float'>. Got value: inf`` becomes
+    ``data.rho: expected a float, got inf``.
+    """
+    keys = list(dict.fromkeys(re.findall(r'Parser key "([^"]+)"', message)))
+    field = ".".join(keys)
+    expected = re.search(r"Expected a <class '(\w+)'>\. Got value: (.*)", message)
+    unknown = re.search(r"Option '([^']+)' is not accepted", message)
+    bad_class = re.search(r"Problem with given class_path '([^']+)':\s*\n\s*(.+)", message)
+    if expected:
+        kind, value = expected.groups()
+        finite = (
+            "; give a finite number"
+            if kind == "float" and value.strip().lower() in ("nan", "inf", "-inf")
+            else ""
+        )
+        reason = f"expected {'an' if kind[0] in 'aeiou' else 'a'} {kind}, got {value.strip()}{finite}"
+    elif unknown:
+        reason = f"unknown option {unknown.group(1)!r}; --print_config lists the accepted ones"
+    elif bad_class:
+        reason = f"class_path {bad_class.group(1)}: {bad_class.group(2).strip()}"
+    else:
+        return message
+    return f"{field}: {reason}" if field else reason
+
+
 class _Parser(LightningArgumentParser):
     """Prints parse errors as one line, and help without reStructuredText markup."""
 
@@ -197,7 +225,7 @@ class _Parser(LightningArgumentParser):
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         if not self.exit_on_error:
             return super().error(message, ex)
-        sys.stderr.write(f"error: {_one_line(message)}\n")
+        sys.stderr.write(f"error: {_one_line(parse_reason(message))}\n")
         raise SystemExit(2)
 
 
@@ -235,7 +263,12 @@ class FederatedCLI(LightningCLI):
 
         Lightning's own draw reuses ``PL_GLOBAL_SEED`` from an earlier seeding in the process.
         """
-        if self._get(self.config, "seed_everything") is True:
+        seed = self._get(self.config, "seed_everything")
+        if not isinstance(seed, bool) and isinstance(seed, int) and not 0 <= seed < 2**32:
+            raise ConfigError(
+                f"seed_everything={seed}: give an integer in [0, 2**32), or true for a fresh one"
+            )
+        if seed is True:
             seed = random.SystemRandom().randrange(2**31)
             (self.config[self.subcommand] if self.subcommand else self.config)["seed_everything"] = seed
             sys.stderr.write(f"seed_everything: true -> drew seed {seed}\n")

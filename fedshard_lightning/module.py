@@ -122,6 +122,13 @@ class FederatedModule(RecordsInitArgs, L.LightningModule):
         """Fill in shapes the config left open, then build the layers (``configure_model``)."""
         if self.input_shape is None:
             self.input_shape = tuple(int(s) for s in input_shape)
+        elif any(int(s) < 1 for s in self.input_shape) or math.prod(self.input_shape) != math.prod(
+            input_shape
+        ):
+            raise ConfigError(
+                f"model.input_shape={list(self.input_shape)}: the data's samples have shape {list(input_shape)}; "
+                "leave model.input_shape out (null) to take it from the data"
+            )
         if self.num_classes is None:
             self.num_classes = int(num_classes)
         setup_once(self)

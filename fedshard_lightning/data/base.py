@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Sequence
 from typing import Literal
 
@@ -74,8 +75,12 @@ class FederatedDataModule(RecordsInitArgs, L.LightningDataModule):
             raise ConfigError(f"data.num_clients={num_clients!r}: must be a positive integer")
         if partition not in ("iid", "dirichlet", "label_split"):
             raise ConfigError(f"data.partition={partition!r}: choose one of iid, dirichlet, label_split")
-        if partition == "dirichlet" and not rho > 0:
-            raise ConfigError(f"data.rho={rho}: the Dirichlet concentration must be > 0 (e.g. 0.1 or 0.5)")
+        if partition == "dirichlet" and not 0 < rho < math.inf:
+            raise ConfigError(
+                f"data.rho={rho}: the Dirichlet concentration must be finite and > 0 (e.g. 0.1 or 0.5)"
+            )
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+            raise ConfigError(f"data.seed={seed!r}: the partition seed must be an integer in [0, 2**32)")
         if min_client_size < 1:
             raise ConfigError(f"data.min_client_size={min_client_size}: must be >= 1")
         if not 0 <= holdout_fraction < 1:

@@ -100,3 +100,33 @@ def test_the_unreadable_config_of_one_run_does_not_stop_the_listing(tmp_path, re
     code, out, err = cli(["runs", "--root", str(tmp_path)])
     assert code == 0 and "a_run" in out, err
     assert Path(run).is_dir()
+
+
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (["--seed_everything", "-1"], "error: seed_everything=-1: give an integer in [0, 2**32)"),
+        (
+            ["--seed_everything", "4294967296"],
+            "error: seed_everything=4294967296: give an integer in [0, 2**32)",
+        ),
+        (["--data.seed", "-1"], "error: data.seed=-1: the partition seed must be an integer in [0, 2**32)"),
+        (["--data.rho", "inf"], "error: data.rho: expected a float, got inf; give a finite number"),
+        (["--data.num_clients", "eight"], "error: data.num_clients: expected an int, got eight"),
+        (["--model.init_args.nosuch", "3"], "error: model: unknown option 'nosuch'; --print_config lists"),
+        (
+            ["--model", "fedshard_lightning.models.NoSuch"],
+            "error: model: class_path fedshard_lightning.models.NoSuch: module 'fedshard_lightning.models' has no",
+        ),
+        (
+            ["--model.input_shape", "[-1]"],
+            "error: model.input_shape=[-1]: the data's samples have shape [1, 8, 8]",
+        ),
+    ],
+)
+def test_settings_out_of_range_or_of_the_wrong_type_name_the_field(tmp_path, args, line):
+    """Before: tracebacks (seeds, input shape) or jsonargparse's nested dump of every Union member."""
+    root = tmp_path / "runs"
+    code, _, err = cli(["fit", *TINY, "--trainer.default_root_dir", str(root), *args])
+    _one_error(code, err, line)
+    assert not root.exists() or not any(root.iterdir())
