@@ -23,8 +23,8 @@ from jsonargparse import ArgumentParser
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from fedshard_lightning.data.base import FederatedDataModule
-from fedshard_lightning.errors import ConfigError, FedShardError
-from fedshard_lightning.os_faults import describe, ignore_sigxfsz
+from fedshard_lightning.errors import ConfigError, FedShardError, Terminated
+from fedshard_lightning.os_faults import describe, ignore_sigxfsz, terminate_as_interrupt
 from fedshard_lightning.trainer import FederatedTrainer
 
 __all__ = ["FederatedCLI", "PlainHelpParser", "main"]
@@ -325,6 +325,7 @@ def main(args: list[str] | None = None) -> None:
     """Entry point; user errors become one line on stderr and exit status 2."""
     argv = sys.argv[1:] if args is None else list(args)
     ignore_sigxfsz()
+    terminate_as_interrupt()
     try:
         if argv[:1] == ["runs"]:
             from fedshard_lightning.runs import runs_main
@@ -341,9 +342,10 @@ def main(args: list[str] | None = None) -> None:
     except FedShardError as e:
         sys.stderr.write(f"error: {_one_line(str(e))}\n")
         raise SystemExit(2) from None
-    except KeyboardInterrupt:
-        sys.stderr.write("interrupted\n")
-        raise SystemExit(130) from None
+    except KeyboardInterrupt as e:
+        terminated = isinstance(e, Terminated)
+        sys.stderr.write("terminated (SIGTERM)\n" if terminated else "interrupted\n")
+        raise SystemExit(143 if terminated else 130) from None
     except OSError as e:  # disk full, read-only, ulimit -f, no permission: one line, exit 3..7
         code, line = describe(e)
         sys.stderr.write(_one_line(line) + "\n")

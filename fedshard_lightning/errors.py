@@ -13,6 +13,7 @@ __all__ = [
     "DataError",
     "FedShardError",
     "NonFiniteLossError",
+    "Terminated",
     "UnlearningRequestError",
 ]
 
@@ -43,3 +44,7 @@ class UnlearningRequestError(FedShardError, ValueError):
 
 class NonFiniteLossError(FedShardError, FloatingPointError):
     """A client produced a NaN or infinite loss; the message names stage, shard, round and client."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``scancel``, ``docker stop``, ``kill``): stops a run as Ctrl-C does, so it says how to resume."""

@@ -19,7 +19,9 @@ import errno
 import re
 import signal
 
-__all__ = ["EXIT_CODES", "OTHER_OS_ERROR", "describe", "ignore_sigxfsz"]
+from fedshard_lightning.errors import Terminated
+
+__all__ = ["EXIT_CODES", "OTHER_OS_ERROR", "describe", "ignore_sigxfsz", "terminate_as_interrupt"]
 
 EXIT_CODES = {
     errno.ENOSPC: 3,
@@ -63,3 +65,17 @@ def ignore_sigxfsz() -> None:
     if hasattr(signal, "SIGXFSZ"):
         with contextlib.suppress(ValueError):  # not the main thread
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+
+def terminate_as_interrupt() -> None:
+    """Turn SIGTERM into :class:`~fedshard_lightning.errors.Terminated`: the same clean stop as Ctrl-C.
+
+    A batch system's cancel sends SIGTERM; its default action kills the process without a word,
+    where an interrupted fit should flush its logs and print the command that resumes it.
+    """
+
+    def _raise(signum: int, frame: object) -> None:
+        raise Terminated(f"signal {signum}")
+
+    with contextlib.suppress(ValueError):  # not the main thread
+        signal.signal(signal.SIGTERM, _raise)

@@ -408,3 +408,31 @@ def test_ctrl_c_answers_in_one_line_during_start_up_and_during_training(tmp_path
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 130, err[-2000:]
     assert "Traceback" not in err and any(line.startswith("interrupted") for line in err.splitlines()), err
+
+
+def test_sigterm_stops_a_fit_like_ctrl_c(tmp_path):
+    """A batch system's cancel (SIGTERM): exit 143, one line, the resume command."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    runs = tmp_path / "runs"
+    command = [sys.executable, "-m", "fedshard_lightning", "fit", "--config", "configs/digits.yaml"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    args = ["--trainer.algorithm.t1", "200", "--trainer.default_root_dir", str(runs)]
+    proc = subprocess.Popen(
+        [*command, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:  # until stage 1 is committed
+        if list(runs.glob("*/cache/CURRENT")):
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 143, err[-2000:]
+    assert "Traceback" not in err and err.rstrip().endswith("terminated (SIGTERM)"), err[-2000:]
+    (run,) = runs.iterdir()
+    assert f"--ckpt_path {run}" in err
