@@ -265,6 +265,11 @@ def load_run(trainer: Any, run_dir: Path) -> None:
     current model, and reports or journal lines of committed requests are re-created.
     """
     if not trainer.store.cache.exists():
+        current = trainer.store.cache.root / "CURRENT"
+        if current.exists() or current.is_symlink():  # there, but not a regular file
+            raise CacheError(
+                f"{current} is not a regular file: the run directory is damaged; restore it from a backup"
+            )
         raise CacheError(
             f"{run_dir} has no committed FLCache (cache/CURRENT); was fit interrupted before stage 1?"
         )

@@ -30,10 +30,15 @@ EXIT_CODES = {
     errno.EFBIG: 5,
     errno.EACCES: 6,
     errno.EPERM: 6,
+    # A folder where a file belongs, or the other way round: the run directory was changed by
+    # hand, not the disk failing; bad input (2), like any other damaged run directory.
+    errno.EISDIR: 2,
+    errno.ENOTDIR: 2,
 }
 OTHER_OS_ERROR = 7
 
 _FIXES = {
+    2: "a folder stands where a file belongs (or the other way round): restore that path from a backup",
     3: "free space on that disk (or point trainer.default_root_dir at another one)",
     4: "remount that file system writable (or copy the run to a writable disk)",
     5: "raise the file-size limit (ulimit -f) or write to a disk that allows larger files",

@@ -130,3 +130,17 @@ def test_settings_out_of_range_or_of_the_wrong_type_name_the_field(tmp_path, arg
     code, _, err = cli(["fit", *TINY, "--trainer.default_root_dir", str(root), *args])
     _one_error(code, err, line)
     assert not root.exists() or not any(root.iterdir())
+
+
+def test_a_folder_where_a_file_belongs_is_bad_input_not_a_failing_disk(tmp_path, reference_run):
+    """README: a damaged run directory exits 2 (it exited 7, 'check the disk')."""
+    run = copy_run(reference_run, tmp_path / "run")
+    (run / "model.safetensors").unlink()
+    (run / "model.safetensors").mkdir()
+    code, _, err = cli(["test", "--ckpt_path", str(run)])
+    _one_error(code, err, "(EISDIR)", "a folder stands where a file belongs")
+    run2 = copy_run(reference_run, tmp_path / "run2")
+    (run2 / "cache" / "CURRENT").unlink()
+    (run2 / "cache" / "CURRENT").mkdir()
+    code, _, err = cli(["audit", "--ckpt_path", str(run2)])
+    _one_error(code, err, "CURRENT is not a regular file: the run directory is damaged")
