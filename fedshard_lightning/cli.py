@@ -44,8 +44,12 @@ DEFAULTS = {
 
 
 def _one_line(message: str, limit: int = 600) -> str:
+    """The message on one line; a long one loses its middle (a long path), never its end (the reason)."""
     text = " ".join(str(message).split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    if len(text) <= limit:
+        return text
+    tail = limit // 2
+    return text[: limit - tail - 5] + " ... " + text[-tail:]
 
 
 _GENERIC = (

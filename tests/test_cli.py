@@ -436,3 +436,12 @@ def test_sigterm_stops_a_fit_like_ctrl_c(tmp_path):
     assert "Traceback" not in err and err.rstrip().endswith("terminated (SIGTERM)"), err[-2000:]
     (run,) = runs.iterdir()
     assert f"--ckpt_path {run}" in err
+
+
+def test_a_long_error_keeps_its_reason(tmp_path, capsys):
+    """A very long run directory: the one line drops the path's middle, not the reason at its end."""
+    deep = tmp_path / ("d" * 200) / ("e" * 200) / ("f" * 200)
+    code, _, err = _run(["runs", "--root", str(deep)], capsys)
+    line = err.strip().splitlines()[-1]
+    assert code == 2 and len(line) <= 610 and " ... " in line
+    assert line.endswith("(fit's trainer.default_root_dir, default runs)"), line
