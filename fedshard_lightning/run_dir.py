@@ -51,7 +51,7 @@ def new_run_dir(root_dir: str, run_name: str | None) -> Path:
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        if e.errno in EXIT_CODES:
+        if EXIT_CODES.get(e.errno, 2) > 2:  # a fault of the disk; 2: a path that is not a folder
             raise
         raise ConfigError(
             f"trainer.default_root_dir={str(root)!r}: cannot create it ({e.strerror})"
@@ -82,7 +82,7 @@ def new_run_dir(root_dir: str, run_name: str | None) -> Path:
                 ) from None
             continue
         except OSError as e:
-            if e.errno in EXIT_CODES:
+            if EXIT_CODES.get(e.errno, 2) > 2:  # a fault of the disk; 2: a path that is not a folder
                 raise  # disk full, read-only, no permission: the CLI's one line with its own exit status
             raise ConfigError(
                 f"trainer.default_root_dir={str(root)!r}: cannot create {path} ({e.strerror})"
