@@ -159,3 +159,21 @@ class CumulativeBNMLP(PlainMLP):
             nn.ReLU(),
             nn.Linear(hidden, num_classes),
         )
+
+
+class Plain(L.LightningModule):
+    """A plain LightningModule: MLP, SGD with momentum and weight decay."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 4))
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-2)

@@ -4,30 +4,20 @@ from __future__ import annotations
 
 import json
 
-import lightning as L
 import pytest
 import torch
-import torch.nn.functional as F
+from _models import Plain
 from _tiny import tiny_data, tiny_trainer
-from torch import nn
 
 from fedshard_lightning.errors import CacheError
 
 
-class AttributeLR(L.LightningModule):
+class AttributeLR(Plain):
     """Keeps its rate in an attribute, without save_hyperparameters: no init argument is recorded."""
 
     def __init__(self, lr: float = 0.05, gamma: float | None = None) -> None:
         super().__init__()
         self.lr, self.gamma = lr, gamma
-        self.net = nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 4))
-
-    def forward(self, x):
-        return self.net(x)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return F.cross_entropy(self(x), y)
 
     def configure_optimizers(self):
         opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.5)

@@ -8,37 +8,17 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from _tiny import tiny_data
+from _models import Plain
+from _tiny import tiny_data, tiny_trainer
 from torch import nn
 
 from fedshard_lightning.engine import FederatedEngine, Group, LocalSchedule, stack_params
 from fedshard_lightning.engine.optim import round_lr
 from fedshard_lightning.errors import ContractError
 from fedshard_lightning.module import bind_model
-from fedshard_lightning.trainer import FederatedTrainer
-from fedshard_lightning.unlearning import FedShard
-
-
-class Plain(L.LightningModule):
-    """A plain LightningModule: MLP, SGD with momentum and weight decay."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 4))
-
-    def forward(self, x):
-        return self.net(x)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return F.cross_entropy(self(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-2)
 
 
 class BatchIdx(Plain):
@@ -137,13 +117,7 @@ def _audit(tmp_path, cls, vectorize):
     """Fit, unlearn client 3, audit with tolerance 0.0 (float32); the audit result and fit's history."""
 
     def trainer():
-        return FederatedTrainer(
-            algorithm=FedShard(rounds="fixed", fixed_rounds=2, batch_size=5),
-            default_root_dir=str(tmp_path),
-            enable_progress_bar=False,
-            eval_every_n_rounds=0,
-            vectorize=vectorize,
-        )
+        return tiny_trainer(tmp_path, vectorize=vectorize)
 
     def model():
         torch.manual_seed(0)
