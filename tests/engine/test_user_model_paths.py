@@ -41,6 +41,19 @@ class PaddedEmbedding(Plain):
         return self.net(self.emb((x.abs() * 5).long().clamp(max=19)).mean(1))
 
 
+class FunctionalPadding(Plain):
+    """A padding row through ``F.embedding`` in forward: no layer to inspect before training."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(20, 8))
+        self.net = nn.Linear(8, 4)
+
+    def forward(self, x):
+        ids = (x.abs() * 5).long().clamp(max=19)
+        return self.net(F.embedding(ids, self.table, padding_idx=0).mean(1))
+
+
 class AuxHead(Plain):
     """An auxiliary head that training_step never uses."""
 
@@ -151,6 +164,22 @@ def test_padded_embedding_falls_back_to_the_loop(mode):
     assert eng.mode == "loop" and len(lines) == 1 and "\n" not in lines[0]
     assert "emb is Embedding(padding_idx=0)" in lines[0]
     assert _max_diff(got, want) == 0.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_auto_keeps_the_loop_where_the_two_paths_disagree(dtype):
+    """``auto`` compares the paths' losses on its probe: a functional padding_idx shows there."""
+    eng = _engine(FunctionalPadding, "auto", dtype=dtype)
+    lines: list[str] = []
+    eng.on_mode = lines.append
+    got = _fit(eng)
+    assert eng.mode == "loop", lines
+    assert "the stacked clients' losses differ from the per-client loop's by" in lines[0]
+    assert _max_diff(got, _fit(_engine(FunctionalPadding, "never", dtype=dtype))) == 0.0
+    exact = _engine(Plain, "auto", dtype=dtype)  # an exact model is still timed
+    exact.on_mode = lines.append
+    _fit(exact)
+    assert "timed" in lines[-1], lines[-1]
 
 
 def test_padded_embedding_audits_bit_exact(tmp_path):
