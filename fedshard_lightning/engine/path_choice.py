@@ -37,6 +37,10 @@ from fedshard_lightning.engine.step_context import NotVectorizable
 
 __all__ = ["choose_path", "decided_paths", "first_round_sample", "path_signature", "time_paths"]
 
+# The probe's version: decisions kept on disk by a probe that did not compare the paths' losses
+# are made again.
+_PROBE = "probe 2 (losses compared)"
+
 # Decisions of this process: signature -> (path, reason).
 _DECIDED: dict[str, tuple[str, str]] = {}
 
@@ -53,6 +57,7 @@ def path_signature(local: LocalTrainer, batch: ClientBatch) -> str:
     p = next(module.parameters())
     return "|".join(
         [
+            _PROBE,
             f"{type(module).__module__}.{type(module).__qualname__}",
             shapes,
             f"input {tuple(local.dm.input_shape)}",
