@@ -133,6 +133,10 @@ class A1Merge(MergePolicy):
         allocation: ``cost`` (the paper's ``allocateChildShard``: lowest predicted M_e of the
             unlearning costs) or ``count`` (balance client counts; the ablation of the first
             implementation).
+        random_start: Group stage 1 (all alphas equal) at random, as SPEC section 5 step 1 says,
+            also when the costs are known (default: fill it by the costs, which balances them).
+        refine: Refine the greedy groups by swaps of same-cluster children under the known rounds
+            (default); False keeps SPEC section 5's steps 4-6 alone.
 
     Raises:
         ConfigError: If ``n_init`` is not a positive integer or ``allocation`` is unknown.
@@ -140,12 +144,19 @@ class A1Merge(MergePolicy):
 
     needs_costs = True
 
-    def __init__(self, n_init: int = 10, allocation: Literal["cost", "count"] = "cost") -> None:
+    def __init__(
+        self,
+        n_init: int = 10,
+        allocation: Literal["cost", "count"] = "cost",
+        random_start: bool = False,
+        refine: bool = True,
+    ) -> None:
         if isinstance(n_init, bool) or not isinstance(n_init, int) or n_init < 1:
             raise ConfigError(f"n_init={n_init!r} must be an integer >= 1 (KMeans initializations)")
         _check_allocation(allocation)
         self.n_init = n_init
         self.allocation = allocation
+        self.random_start, self.refine = bool(random_start), bool(refine)
 
     def group(
         self,
@@ -163,6 +174,8 @@ class A1Merge(MergePolicy):
             seed,
             n_init=self.n_init,
             costs=costs if self.allocation == "cost" else None,
+            random_start=self.random_start,
+            refine=self.refine,
         )
 
 
@@ -207,6 +220,8 @@ def a1_grouping(
     seed: int,
     n_init: int = 10,
     costs: StageCosts | None = None,
+    random_start: bool = False,
+    refine: bool = True,
 ) -> list[list[int]]:
     """FedShard's A1 grouping, SPEC section 5 steps 1-6 (see the module docstring for the rules).
 
@@ -219,6 +234,8 @@ def a1_grouping(
         n_init: Number of KMeans initializations.
         costs: Predicted unlearning costs: ``allocateChildShard`` minimises their M_e. None: it
             balances client counts instead.
+        random_start: All alphas equal (stage 1): a random grouping even with ``costs``.
+        refine: With ``costs`` that know the rounds, refine the groups by swaps.
 
     Returns:
         The groups in canonical order (see :meth:`MergePolicy.group`).
@@ -237,7 +254,7 @@ def a1_grouping(
         raise ValueError(f"costs describe {len(costs.shard_clients)} shards, got {n} alphas")
     caps = group_capacities(n, merge_rate)
     if np.all(a == a[0]):
-        if costs is None:
+        if costs is None or random_start:
             return random_grouping(n, merge_rate, seed)
         negative, middle, positive = [], list(range(n)), []
     else:
@@ -258,7 +275,7 @@ def a1_grouping(
         while leftover:
             filler.place(leftover)
     groups = filler.groups
-    if costs is not None and costs.rounds_fn is not None:
+    if refine and costs is not None and costs.rounds_fn is not None:
         labels = [0] * n
         for label, cluster in enumerate((negative, middle, positive)):
             for i in cluster:

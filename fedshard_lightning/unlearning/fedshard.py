@@ -62,9 +62,13 @@ def _merge_policy(merge: str | MergePolicy) -> MergePolicy:
         return A1Merge()
     if merge == "a1_count":
         return A1Merge(allocation="count")
+    if merge == "a1_spec":
+        return A1Merge(random_start=True, refine=False)
     if merge == "random":
         return RandomMerge()
-    raise ConfigError(f"algorithm.merge={merge!r}: choose a1, a1_count, random or a MergePolicy class_path")
+    raise ConfigError(
+        f"algorithm.merge={merge!r}: choose a1, a1_spec, a1_count, random or a MergePolicy class_path"
+    )
 
 
 class FedShard(ShardCosts, ShardCache, Algorithm):
@@ -74,7 +78,8 @@ class FedShard(ShardCosts, ShardCache, Algorithm):
         merge_rate: R, children per merged shard (>= 2).
         merge: ``a1`` (direction-balanced, the paper's A1, whose ``allocateChildShard`` picks the
             child of lowest predicted M_e of the unlearning costs), ``a1_count`` (A1 balancing
-            client counts instead, the first implementation, for the ablation), ``random`` (naive
+            client counts instead, the first implementation, for the ablation), ``a1_spec`` (A1 as
+            SPEC section 5 states it: stage 1 at random, no swap refinement), ``random`` (naive
             sharding) or a :class:`~fedshard_lightning.sharding.MergePolicy`.
         rounds: ``a2`` (A2 within [t0, t1]), ``fixed`` (``fixed_rounds`` everywhere), ``auto``
             (A2 with [T0, T1] measured by training stages 1-2 to convergence), or a
@@ -95,7 +100,7 @@ class FedShard(ShardCosts, ShardCache, Algorithm):
     def __init__(
         self,
         merge_rate: int = 2,
-        merge: Literal["a1", "a1_count", "random"] | MergePolicy = "a1",
+        merge: Literal["a1", "a1_spec", "a1_count", "random"] | MergePolicy = "a1",
         rounds: Literal["a2", "fixed", "auto"] | RoundPolicy = "a2",
         t0: int = 2,
         t1: int = 8,

@@ -321,3 +321,25 @@ def test_pool_classes_choose_like_scoring_every_candidate(
     finally:
         merging.CostFiller, merging.CostPool = saved
     assert got == want
+
+
+def test_a1_as_the_spec_states_it_random_stage_one_and_no_swaps() -> None:
+    """``random_start``: stage 1 (equal alphas) is SPEC step 1's seeded random grouping, costs or not;
+    ``refine=False``: the greedy steps 4-6 alone (the default then refines by swaps)."""
+    rng = np.random.default_rng(5)
+    changed_by_swaps = 0
+    for case in range(20):
+        n, rate = int(rng.integers(6, 40)), int(rng.integers(2, 4))
+        alphas, costs = random_costs(rng, n, rate)
+        costs.rounds_fn = a2_fn(2, 8)
+        counts = [len(c) for c in costs.shard_clients]
+        equal = [0.0] * n
+        assert a1_grouping(equal, counts, rate, case, costs=costs, random_start=True) == random_grouping(
+            n, rate, case
+        )
+        greedy = a1_grouping(alphas, counts, rate, case, n_init=2, costs=costs, refine=False)
+        refined = a1_grouping(alphas, counts, rate, case, n_init=2, costs=costs)
+        assert sorted(i for g in greedy for i in g) == list(range(n))
+        assert sorted(len(g) for g in greedy) == sorted(len(g) for g in refined)
+        changed_by_swaps += greedy != refined
+    assert changed_by_swaps > 0

@@ -146,7 +146,7 @@ def test_same_seed_bit_identical_other_seed_differs(run_root, tmp_path):
     assert not all(torch.equal(a[k], c[k]) for k in a)
 
 
-@pytest.mark.parametrize("merge", ["a1", "a1_count", "random"])
+@pytest.mark.parametrize("merge", ["a1", "a1_spec", "a1_count", "random"])
 @pytest.mark.parametrize("rounds", ["fixed", "a2", "auto"])
 def test_ablation_settings_train_and_unlearn(run_root, merge, rounds):
     kw = dict(k=8, merge=merge, rounds=rounds, t0=1, t1=3, precision="64-true")
@@ -206,3 +206,18 @@ def test_foreign_and_corrupt_caches_are_refused(run_root):
     stage_file.write_bytes(bytes(data[: len(data) // 2]))
     with pytest.raises(CacheError):
         unlearn(run_root, run, [1], fixed_rounds=1)
+
+
+def test_a1_spec_groups_stage_one_at_random(run_root):
+    """``merge: a1_spec``: stage 1 is the seeded random grouping of SPEC section 5 step 1."""
+    from fedshard_lightning.sharding import random_grouping
+
+    kw = dict(k=8, merge="a1_spec", rounds="a2", t0=1, t1=3)
+    run = fit(run_root, **kw)
+    alg = loaded(run_root, run, **kw)
+    stage_one = sorted(sorted(r.children) for r in alg.records[0])
+    at_random = sorted(sorted(g) for g in random_grouping(8, 2, alg._merge_seed(1)))
+    assert stage_one == at_random
+    kw["merge"] = "a1"  # the default fills stage 1 by the predicted costs instead
+    default = loaded(run_root, fit(run_root, **kw), **kw)
+    assert sorted(sorted(r.children) for r in default.records[0]) != at_random
