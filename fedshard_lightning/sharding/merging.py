@@ -158,6 +158,15 @@ class A1Merge(MergePolicy):
         self.allocation = allocation
         self.random_start, self.refine = bool(random_start), bool(refine)
 
+    def __repr__(self) -> str:
+        """The arguments, the SPEC switches only where set: a run's fingerprint stays what it was."""
+        extra = "".join(
+            f", {k}={v!r}"
+            for k, v, d in (("random_start", self.random_start, False), ("refine", self.refine, True))
+            if v != d
+        )
+        return f"A1Merge(n_init={self.n_init!r}, allocation={self.allocation!r}{extra})"
+
     def group(
         self,
         alphas: Sequence[float],
