@@ -29,6 +29,7 @@ __all__ = [
     "atomic_write_bytes",
     "atomic_write_json",
     "load_tensors",
+    "read_json_object",
     "remove_stale_tmp",
     "sha256_file",
     "writing",
@@ -138,6 +139,18 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 def atomic_write_json(path: Path, obj: Any, indent: int | None = 2) -> None:
     """JSON version of :func:`atomic_write_bytes`; ``indent=None`` writes one line (C encoder, compact)."""
     atomic_write_bytes(path, (json.dumps(obj, indent=indent, sort_keys=True) + "\n").encode())
+
+
+def read_json_object(path: Path) -> dict[str, Any] | None:
+    """A run's small JSON record (metrics, numerics, W&B state), or None when missing or damaged.
+
+    For records a run can do without; the cache's own manifests are read strictly instead.
+    """
+    try:
+        data = json.loads(Path(path).read_bytes())
+    except (OSError, ValueError, RecursionError):  # ValueError: not JSON, or not UTF-8
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def atomic_save_tensors(

@@ -27,6 +27,7 @@ from typing import Any
 
 from lightning.fabric.loggers import CSVLogger, Logger
 
+from fedshard_lightning.cache_io import read_json_object
 from fedshard_lightning.errors import ConfigError
 from fedshard_lightning.init_args import init_args
 
@@ -94,11 +95,7 @@ def run_name(hparams: dict[str, Any]) -> str:
 
 def wandb_state(run_dir: Path) -> dict[str, Any]:
     """``RUN/wandb.json``: the W&B run id (and the last logged step) of this run directory."""
-    try:
-        data = json.loads((run_dir / "wandb.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
+    return read_json_object(run_dir / "wandb.json") or {}
 
 
 def _wandb_logger(run_dir: Path, trainer: Any, hparams: dict[str, Any]) -> Logger:

@@ -10,7 +10,6 @@ algorithm.
 from __future__ import annotations
 
 import contextlib
-import json
 import sys
 import time
 from collections.abc import Sequence
@@ -24,6 +23,7 @@ from torch import Tensor
 
 from fedshard_lightning import numerics
 from fedshard_lightning.cache import atomic_write_bytes, atomic_write_json
+from fedshard_lightning.cache_io import read_json_object
 from fedshard_lightning.callbacks.dispatch import call_hook
 from fedshard_lightning.engine import FederatedEngine, Group, LocalSchedule, RoundInfo
 from fedshard_lightning.engine.allocator import configure_process
@@ -193,7 +193,7 @@ def run_fit(trainer: Any, run_dir: Path, resume: bool, exclude: list[int]) -> di
         "vectorize_mode": alg.engine.mode,
         "resumed": resumed,
     }
-    recorded = _read_json(run_dir / "metrics.json") if finished else None
+    recorded = read_json_object(run_dir / "metrics.json") if finished else None
     if recorded is not None:  # a complete run resumed: nothing trained, so fit's own record stands
         trainer._print(f"fit: {run_dir} was already complete; nothing was trained (its metrics.json stands)")
         metrics = recorded
@@ -202,7 +202,7 @@ def run_fit(trainer: Any, run_dir: Path, resume: bool, exclude: list[int]) -> di
             trainer._write_model(params)
         if recorded is None:
             atomic_write_json(run_dir / "metrics.json", metrics)
-        if recorded is None or _read_json(run_dir / numerics.FILE) is None:
+        if recorded is None or read_json_object(run_dir / numerics.FILE) is None:
             numerics.record(run_dir, trainer)
         for name, text in alg.run_files().items():
             (run_dir / name).write_text(text)
@@ -216,15 +216,6 @@ def run_fit(trainer: Any, run_dir: Path, resume: bool, exclude: list[int]) -> di
         f"seconds={seconds:.1f} (total {total:.1f} with callbacks and logging) -> {run_dir}"
     )
     return metrics
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    """A JSON object file, or None when it is missing or damaged."""
-    try:
-        value = json.loads(path.read_bytes())
-    except (OSError, ValueError):
-        return None
-    return value if isinstance(value, dict) else None
 
 
 def launch_fabric(

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from fedshard_lightning.cache import atomic_write_json
+from fedshard_lightning.cache_io import read_json_object
 from fedshard_lightning.engine.allocator import configure_process, tf32_flags
 
 __all__ = ["FILE", "current", "oversubscription_warning", "record", "reproduce"]
@@ -63,11 +64,8 @@ def reproduce(run_dir: Path, trainer: Any) -> list[str]:
     path = run_dir / FILE
     if not path.is_file():
         return []
-    try:
-        fit_env = json.loads(path.read_bytes())
-    except (OSError, ValueError):
-        fit_env = None
-    if not isinstance(fit_env, dict):
+    fit_env = read_json_object(path)
+    if fit_env is None:
         return [f"{path} is unreadable: the numerical environment of fit is unknown"]
     notes = []
     threads = fit_env.get("threads")

@@ -9,13 +9,13 @@ manifest, ``config.yaml``, ``metrics.json``); nothing is loaded into torch.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from fedshard_lightning.cache import FLCache
+from fedshard_lightning.cache_io import read_json_object
 from fedshard_lightning.errors import CacheError, ConfigError
 
 __all__ = ["describe_run", "format_runs", "list_runs", "runs_main"]
@@ -24,11 +24,7 @@ COLUMNS = ("run", "method", "dataset", "K", "accuracy", "requests", "state")
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
+    return read_json_object(path) or {}
 
 
 def _dataset(run: Path) -> str:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from fedshard_lightning.cache import FLCache, atomic_write_json
+from fedshard_lightning.cache_io import read_json_object
 from fedshard_lightning.errors import CacheError
 from fedshard_lightning.init_args import init_args
 from fedshard_lightning.tensor_schema import check_schema, schema_of
@@ -113,10 +114,7 @@ class RunStore:
 
     def _recorded_body(self) -> dict[str, Any]:
         """The readable body in ``cache/FINGERPRINT`` ({} when absent or damaged: the hash still decides)."""
-        try:
-            body = json.loads((self.cache.root / "FINGERPRINT").read_bytes()).get("body", {})
-        except (OSError, ValueError, AttributeError):
-            return {}
+        body = (read_json_object(self.cache.root / "FINGERPRINT") or {}).get("body")
         return body if isinstance(body, dict) else {}
 
     def claim(self, resume: bool) -> None:
