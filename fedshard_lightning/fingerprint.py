@@ -24,7 +24,10 @@ from typing import Any
 
 from fedshard_lightning.init_args import init_args
 
-__all__ = ["fingerprint", "fingerprint_body", "optimizer_body", "readable_body"]
+__all__ = ["body_fingerprint", "fingerprint", "fingerprint_body", "optimizer_body", "readable_body"]
+
+#: What :func:`readable_body` adds to :func:`fingerprint_body` without hashing it.
+_UNHASHED = ("data_settings", "optimizer")
 
 #: Rounds of the scheduler's learning rates recorded (a changed schedule shows in its first rates).
 SCHEDULE_ROUNDS = 4
@@ -44,8 +47,13 @@ def fingerprint_body(model: Any, datamodule: Any, algorithm: Any, seed: int) -> 
 
 def fingerprint(model: Any, datamodule: Any, algorithm: Any, seed: int) -> str:
     """32 hex digits of SHA-256 over :func:`fingerprint_body`."""
-    body = fingerprint_body(model, datamodule, algorithm, seed)
-    return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:32]
+    return body_fingerprint(fingerprint_body(model, datamodule, algorithm, seed))
+
+
+def body_fingerprint(body: dict[str, Any]) -> str:
+    """:func:`fingerprint` of a :func:`fingerprint_body` or :func:`readable_body` (its extra keys are not hashed)."""
+    hashed = {k: v for k, v in body.items() if k not in _UNHASHED}
+    return hashlib.sha256(json.dumps(hashed, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
 def readable_body(model: Any, datamodule: Any, algorithm: Any, seed: int) -> dict[str, Any]:

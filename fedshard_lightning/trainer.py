@@ -29,7 +29,7 @@ from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.deployed import save_model
 from fedshard_lightning.engine.evaluate import Evaluator
 from fedshard_lightning.errors import FedShardError
-from fedshard_lightning.fingerprint import fingerprint, readable_body
+from fedshard_lightning.fingerprint import body_fingerprint, readable_body
 from fedshard_lightning.loggers import run_loggers, wandb_state
 from fedshard_lightning.loop import TrainerEvents, launch_fabric, load_run, run_fit
 from fedshard_lightning.module import bind_model, param_dtype
@@ -218,9 +218,14 @@ class FederatedTrainer:
         self.history = []
         self._events = TrainerEvents(self)
         self.algorithm.setup(self._events.context())
-        fp = fingerprint(self.module, datamodule, self.algorithm, self.seed)
-        body = readable_body(self.module, datamodule, self.algorithm, self.seed)
-        self.store = RunStore(FLCache(run_dir / "cache"), fp, self.seed, write=self.is_global_zero, body=body)
+        body = readable_body(self.module, datamodule, self.algorithm, self.seed)  # the data hashed once
+        self.store = RunStore(
+            FLCache(run_dir / "cache"),
+            body_fingerprint(body),
+            self.seed,
+            write=self.is_global_zero,
+            body=body,
+        )
 
     def evaluate(self, params: dict[str, Tensor]) -> tuple[float, float]:
         """Test accuracy and loss of a model given by its parameters."""

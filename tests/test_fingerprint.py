@@ -81,3 +81,17 @@ def test_unlearn_with_another_setting_names_it(tmp_path):
         match=r"another config or dataset \(data_settings.init_args.rho: 0.5 in the run, 0.3 now\)",
     ):
         tiny_trainer(tmp_path, vectorize="always").unlearn(AttributeLR(), other, str(tr.run_dir), [3])
+
+
+def test_the_readable_body_hashes_to_the_fingerprint_runs_were_made_with(tmp_path):
+    """The body is computed once per run and hashed without its readable extras: old runs still load."""
+    import hashlib
+
+    from fedshard_lightning.fingerprint import body_fingerprint, fingerprint, fingerprint_body, readable_body
+
+    tr = tiny_trainer(tmp_path, vectorize="always")
+    tr.fit(*_fresh())
+    args = (tr.module, tr.datamodule, tr.algorithm, tr.seed)
+    old = fingerprint_body(*args)  # the formula of the runs made before the body was kept
+    want = hashlib.sha256(json.dumps(old, sort_keys=True, default=str).encode()).hexdigest()[:32]
+    assert body_fingerprint(readable_body(*args)) == fingerprint(*args) == want == tr.store.fingerprint
