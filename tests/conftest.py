@@ -19,11 +19,12 @@ torch.set_num_threads(1)
 @pytest.fixture(autouse=True)
 def _isolate(tmp_path, monkeypatch):
     """Restore global torch state; keep W&B offline and the ``auto`` path decisions inside the test."""
-    from fedshard_lightning.engine.path_choice import decided_paths
+    from fedshard_lightning.engine.path_choice import agreed_signatures, decided_paths
 
     dtype = torch.get_default_dtype()
     monkeypatch.setenv("FEDSHARD_CACHE_DIR", str(tmp_path / "fedshard_cache"))
     decided_paths().clear()
+    agreed_signatures().clear()
     for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_CONFIG_DIR"):
         monkeypatch.setenv(var, str(tmp_path / "wandb"))
     monkeypatch.setenv("WANDB_MODE", "offline")

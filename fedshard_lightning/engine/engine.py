@@ -36,7 +36,7 @@ from fedshard_lightning.engine.local import ClientBatch, Kernel, LocalResult, Lo
 from fedshard_lightning.engine.local_layers import LocalLayers
 from fedshard_lightning.engine.optim import OptimizerSpec, optimizer_spec
 from fedshard_lightning.engine.participants import KeyedSampling, ParticipantPolicy
-from fedshard_lightning.engine.path_choice import choose_path, first_round_sample
+from fedshard_lightning.engine.path_choice import check_agreement, choose_path, first_round_sample
 from fedshard_lightning.engine.round_plan import RoundPlan
 from fedshard_lightning.engine.schedule import LocalSchedule
 from fedshard_lightning.engine.stages import train_stages
@@ -113,6 +113,8 @@ class FederatedEngine:
         self.sizes = np.asarray(datamodule.client_sizes, dtype=np.int64)
         self._mode: str | None = {"always": "stacked", "never": "loop"}.get(vectorize)
         self.mode_reason = {"always": "vectorize: always", "never": "vectorize: never"}.get(vectorize, "")
+        # ``always`` checks the stacked path against the loop once (path_choice.check_agreement).
+        self._unchecked = vectorize == "always"
         # Called once with a one-line account of the path taken (e.g. the trainer's print).
         self.on_mode: Callable[[str], None] | None = None
         self._announced = False
@@ -183,6 +185,9 @@ class FederatedEngine:
     def _run_local(self, state: dict[str, Tensor], rows: Tensor, batch: ClientBatch) -> LocalResult:
         if self._mode is None:
             self._mode = self._probe({k: v.index_select(0, rows) for k, v in state.items()}, batch)
+        if self._unchecked:
+            self._unchecked = False
+            check_agreement(self.local, {k: v.index_select(0, rows) for k, v in state.items()}, batch)
         if self._mode == "stacked":
             try:
                 res = self._run_stacked(state, rows, batch)
@@ -242,6 +247,7 @@ class FederatedEngine:
         if mode not in ("stacked", "loop"):
             raise ConfigError(f"vectorize mode {mode!r}: choose stacked or loop")
         self._mode = mode
+        self._unchecked = False  # the run trained on this path: its audit, not a probe, checks it
         self.mode_reason = "the path this run was trained with"
 
     @property
@@ -251,11 +257,14 @@ class FederatedEngine:
 
     # -- FedAvg over groups ----------------------------------------------------------------------
     def decide(self, init: dict[str, Tensor], groups: Sequence[Group], stage: int) -> None:
-        """``vectorize: auto``: decide on what the general path's first round would time."""
-        if self._mode is None:
+        """``vectorize: auto``: decide on what the general path's first round would time (``always``: check it)."""
+        if self._mode is None or self._unchecked:
             sample = first_round_sample(init, groups, stage, self.participants, self.sizes, self.chunk)
-            if sample is not None:
+            if sample is not None and self._mode is None:
                 self._mode = self._probe(*sample)
+            elif sample is not None:
+                self._unchecked = False
+                check_agreement(self.local, *sample)
 
     def train_stages(
         self,

@@ -34,8 +34,17 @@ from fedshard_lightning.engine.local import LocalTrainer
 from fedshard_lightning.engine.round_plan import RoundPlan
 from fedshard_lightning.engine.schedule import LocalSchedule
 from fedshard_lightning.engine.step_context import NotVectorizable
+from fedshard_lightning.errors import ConfigError
 
-__all__ = ["choose_path", "decided_paths", "first_round_sample", "path_signature", "time_paths"]
+__all__ = [
+    "agreed_signatures",
+    "check_agreement",
+    "choose_path",
+    "decided_paths",
+    "first_round_sample",
+    "path_signature",
+    "time_paths",
+]
 
 # The probe's version: decisions kept on disk by a probe that did not compare the paths' losses
 # are made again.
@@ -43,11 +52,18 @@ _PROBE = "probe 2 (losses compared)"
 
 # Decisions of this process: signature -> (path, reason).
 _DECIDED: dict[str, tuple[str, str]] = {}
+# ``vectorize: always``: signatures whose stacked clients this process found to agree with the loop.
+_AGREED: set[str] = set()
 
 
 def decided_paths() -> dict[str, tuple[str, str]]:
     """The decisions this process holds (tests clear it to time again)."""
     return _DECIDED
+
+
+def agreed_signatures() -> set[str]:
+    """The ``vectorize: always`` checks this process passed (tests clear it to check again)."""
+    return _AGREED
 
 
 def path_signature(local: LocalTrainer, batch: ClientBatch) -> str:
@@ -151,6 +167,72 @@ def choose_path(local: LocalTrainer, start: dict[str, Tensor], batch: ClientBatc
     return mode, reason
 
 
+def check_agreement(local: LocalTrainer, start: dict[str, Tensor], batch: ClientBatch) -> None:
+    """``vectorize: always``: refuse a model whose stacked clients train otherwise than the loop.
+
+    ``always`` skips the timing, not the check: a ``training_step`` that vmap batches wrongly and
+    no layer shows (a functional ``F.embedding(padding_idx=...)``) would otherwise train a wrong
+    model in silence. Two local steps of a few clients both ways, once per model signature (in
+    the process, and on disk beside ``auto``'s decisions); the fit's results are not touched.
+
+    Raises:
+        ConfigError: If the two paths' losses differ beyond rounding.
+    """
+    signature = f"always|{path_signature(local, batch)}"
+    if signature in _AGREED:
+        return
+    key = hashlib.sha256(signature.encode()).hexdigest()[:24]
+    path = _store()
+    entry = _read(path).get(key) if path is not None else None
+    if isinstance(entry, dict) and entry.get("signature") == signature and entry.get("mode") == "agrees":
+        _AGREED.add(signature)
+        return
+    k = min(len(batch.clients), 8)
+    try:
+        warm = _two_steps(local, start, batch, {"stacked": k, "loop": min(k, 2)})
+    except NotVectorizable:
+        return  # the fit falls back to the loop itself, and says why
+    first = next(iter(start.values()))
+    off = disagreement(warm["stacked"], warm["loop"])
+    if not off <= agreement_tolerance(first.dtype, first.device):
+        raise ConfigError(
+            f"trainer.vectorize=always: the stacked clients' losses differ from the per-client loop's by "
+            f"{off:.1e} (relative) in two local steps, so training_step does something vmap does not "
+            "batch exactly; set trainer.vectorize to auto or never"
+        )
+    _AGREED.add(signature)
+    if path is not None:
+        _persist(path, key, signature, "agrees", f"vectorize: always; losses agree within {off:.1e}")
+
+
+def _runs(
+    local: LocalTrainer, batch: ClientBatch, sizes: dict[str, int]
+) -> dict[str, tuple[Callable[..., LocalResult], ClientBatch]]:
+    """Each path's training function and its first ``sizes[path]`` clients of ``batch``."""
+    return {
+        mode: (
+            fn,
+            ClientBatch(batch.clients[: sizes[mode]], batch.groups[: sizes[mode]], batch.stage, batch.round),
+        )
+        for mode, fn in (("stacked", local.train_stacked), ("loop", local.train_loop))
+    }
+
+
+def _two_steps(
+    local: LocalTrainer, start: dict[str, Tensor], batch: ClientBatch, sizes: dict[str, int]
+) -> dict[str, LocalResult]:
+    """Two local steps of each path's first clients (results apart from the fit's)."""
+    full = local.schedule
+    local.schedule = LocalSchedule(batch_size=full.batch_size, local_steps=2)
+    try:
+        return {
+            mode: fn({n: v[: sizes[mode]] for n, v in start.items()}, sub)
+            for mode, (fn, sub) in _runs(local, batch, sizes).items()
+        }
+    finally:
+        local.schedule = full
+
+
 def agreement_tolerance(dtype: torch.dtype, device: torch.device) -> float:
     """Relative disagreement of the two paths' probe losses above which ``auto`` keeps the loop.
 
@@ -173,10 +255,18 @@ def disagreement(stacked: LocalResult, loop: LocalResult) -> float:
     Losses, not parameters: a parameter without true gradient (a bias before BatchNorm) gets
     rounding noise that Adam scales up to a full step, differently on each path, but changes no
     loss; everything that does change the model's function shows in the second step's loss.
+    Clients whose loss is not finite on both paths are left to training to report; a loss finite
+    on one path only is a disagreement.
     """
     n = len(loop.loss_sum)
     a, b = stacked.loss_sum[:n].double(), loop.loss_sum.double()
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) if n else 0.0
+    finite = b.isfinite()
+    if not torch.equal(a.isfinite(), finite):
+        return math.inf
+    if not finite.any():  # the same clients diverged on both: training reports them, not the probe
+        return 0.0
+    a, b = a[finite], b[finite]
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
 def time_paths(local: LocalTrainer, start: dict[str, Tensor], batch: ClientBatch) -> tuple[str, str]:
@@ -194,31 +284,22 @@ def time_paths(local: LocalTrainer, start: dict[str, Tensor], batch: ClientBatch
     """
     k = min(len(batch.clients), 8)
     sizes = {"stacked": k, "loop": min(k, 2)}
-    runs = {
-        mode: (
-            fn,
-            ClientBatch(batch.clients[: sizes[mode]], batch.groups[: sizes[mode]], batch.stage, batch.round),
+    try:  # warm-up (builds the kernels); the clients both ran must agree
+        warm = _two_steps(local, start, batch, sizes)
+    except NotVectorizable as err:
+        return "loop", f"vectorize: auto; {err}; {err.fallback}"
+    first = next(iter(start.values()))
+    off = disagreement(warm["stacked"], warm["loop"])
+    if not off <= agreement_tolerance(first.dtype, first.device):
+        return "loop", (
+            f"vectorize: auto; the stacked clients' losses differ from the per-client loop's by {off:.1e} "
+            "(relative) in two local steps: training_step does something vmap does not batch exactly"
         )
-        for mode, fn in (("stacked", local.train_stacked), ("loop", local.train_loop))
-    }
+    runs = _runs(local, batch, sizes)
     full = local.schedule
     local.schedule = LocalSchedule(batch_size=full.batch_size, local_steps=2)
     per_client = dict.fromkeys(runs, math.inf)
     try:
-        try:
-            warm = {  # warm-up (builds the kernels); the clients both ran must agree
-                mode: fn({n: v[: sizes[mode]] for n, v in start.items()}, sub)
-                for mode, (fn, sub) in runs.items()
-            }
-        except NotVectorizable as err:
-            return "loop", f"vectorize: auto; {err}; {err.fallback}"
-        first = next(iter(start.values()))
-        off = disagreement(warm["stacked"], warm["loop"])
-        if not off <= agreement_tolerance(first.dtype, first.device):
-            return "loop", (
-                f"vectorize: auto; the stacked clients' losses differ from the per-client loop's by {off:.1e} "
-                "(relative) in two local steps: training_step does something vmap does not batch exactly"
-            )
         for _ in range(2):
             for mode, (fn, sub) in runs.items():
                 sub_start = {n: v[: sizes[mode]] for n, v in start.items()}

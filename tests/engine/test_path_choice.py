@@ -75,3 +75,29 @@ def test_unreadable_cache_file_is_timed_again(tmp_path, timings, monkeypatch):
     _fit(tmp_path / "a")
     assert len(timings) == 1
     assert len(json.loads((tmp_path / "cache" / "vectorize_auto.json").read_text())) == 1
+
+
+@pytest.mark.parametrize(
+    ("stacked", "loop", "want"),
+    [
+        ([1.0, 2.0, 9.0], [1.0, 2.0], 0.0),  # only the clients both ran count
+        ([1.0, 2.5], [1.0, 2.0], 0.25),  # relative to the largest loop loss
+        ([float("nan"), 2.0], [float("nan"), 2.0], 0.0),  # diverged on both: training reports it
+        ([float("inf"), 2.0], [float("inf"), 2.1], 0.1 / 2.1),
+        ([float("nan"), 2.0], [1.0, 2.0], float("inf")),  # finite on one path only
+        ([float("nan")], [float("nan")], 0.0),
+    ],
+)
+def test_disagreement_against_the_formula(stacked, loop, want):
+    import math
+
+    import numpy as np
+    import torch
+
+    from fedshard_lightning.engine.client_loop import LocalResult
+
+    def res(v):
+        return LocalResult({}, np.ones(len(v), dtype=np.int64), torch.tensor(v, dtype=torch.float32))
+
+    got = path_choice.disagreement(res(stacked), res(loop))
+    assert got == want or math.isclose(got, want, rel_tol=1e-6)

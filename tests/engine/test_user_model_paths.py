@@ -15,9 +15,9 @@ from _models import Plain
 from _tiny import tiny_data, tiny_trainer
 from torch import nn
 
-from fedshard_lightning.engine import FederatedEngine, Group, LocalSchedule, stack_params
+from fedshard_lightning.engine import FederatedEngine, Group, LocalSchedule, path_choice, stack_params
 from fedshard_lightning.engine.optim import round_lr
-from fedshard_lightning.errors import ContractError
+from fedshard_lightning.errors import ConfigError, ContractError
 from fedshard_lightning.module import bind_model
 
 
@@ -180,6 +180,41 @@ def test_auto_keeps_the_loop_where_the_two_paths_disagree(dtype):
     exact.on_mode = lines.append
     _fit(exact)
     assert "timed" in lines[-1], lines[-1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_always_refuses_a_stacked_path_that_disagrees_with_the_loop(dtype, monkeypatch, tmp_path):
+    """``always`` skips the timing, not the check: the same functional padding stops in one line."""
+    with pytest.raises(ConfigError) as err:
+        _fit(_engine(FunctionalPadding, "always", dtype=dtype))
+    line = str(err.value)
+    assert (
+        line.startswith("trainer.vectorize=always: the stacked clients' losses differ") and "\n" not in line
+    )
+    assert line.endswith("set trainer.vectorize to auto or never")
+    a, b, mode_line, _ = _both(Plain)  # an exact model passes the check and trains stacked
+    assert "stacked clients" in mode_line and _max_diff(a, b) <= 1e-10
+    signature = next(s for s in path_choice.agreed_signatures() if s.startswith("always|"))
+    path_choice.agreed_signatures().clear()  # as a new process: the check is kept on disk
+    monkeypatch.setattr(path_choice, "_two_steps", lambda *a: pytest.fail("checked again"))
+    _fit(_engine(Plain, "always"))
+    assert signature in path_choice.agreed_signatures()
+
+
+def test_always_checks_on_the_general_path_too():
+    """Calls that keep the clients' parameters (no lean path) are checked in their first round."""
+    eng = _engine(FunctionalPadding, "always")
+    groups = [Group(0, (0, 1, 2, 3), 2)]
+    with pytest.raises(ConfigError, match=r"trainer\.vectorize=always"):
+        eng.train_groups(stack_params([eng.module_params()]), groups, stage=1, keep_client_params=True)
+
+
+def test_a_run_s_own_path_is_not_checked_again():
+    """Unlearning and audit replay the path the fit recorded: its audit checks it, not a probe."""
+    eng = _engine(FunctionalPadding, "always")
+    eng.set_mode("stacked")
+    _fit(eng)
+    assert eng.mode == "stacked"
 
 
 def test_padded_embedding_audits_bit_exact(tmp_path):
