@@ -9,6 +9,7 @@ import numpy as np
 
 from fedshard_lightning.engine.keys import client_keys, counter_bits
 from fedshard_lightning.errors import ConfigError
+from fedshard_lightning.limits import check_count
 
 __all__ = ["LocalSchedule"]
 
@@ -29,11 +30,12 @@ class LocalSchedule:
 
     def __post_init__(self) -> None:
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
-            raise ConfigError(f"batch_size={self.batch_size!r}: must be a positive integer (e.g. 10)")
-        if self.local_steps is None and (not isinstance(self.local_epochs, int) or self.local_epochs < 1):
-            raise ConfigError(f"local_epochs={self.local_epochs!r}: must be a positive integer")
-        if self.local_steps is not None and (not isinstance(self.local_steps, int) or self.local_steps < 1):
-            raise ConfigError(f"local_steps={self.local_steps!r}: must be a positive integer or null")
+            raise ConfigError(
+                f"algorithm.batch_size={self.batch_size!r}: must be a positive integer (e.g. 10)"
+            )
+        if self.local_steps is None:
+            check_count("algorithm.local_epochs", self.local_epochs)
+        check_count("algorithm.local_steps", self.local_steps, optional=True)
 
     def num_steps(self, n: int) -> int:
         """Optimizer steps a client with ``n`` samples takes in one round."""

@@ -29,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fedshard_lightning.errors import ConfigError
+from fedshard_lightning.limits import MAX_COUNT
 
 __all__ = ["A2Rounds", "AutoRounds", "ConvergenceTracker", "FixedRounds", "RoundPolicy", "a2_rounds"]
 
@@ -36,6 +37,8 @@ __all__ = ["A2Rounds", "AutoRounds", "ConvergenceTracker", "FixedRounds", "Round
 def _check_int(name: str, value: object, minimum: int, fix: str = "") -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ConfigError(f"{name}={value!r} must be an integer >= {minimum}{fix}")
+    if value > MAX_COUNT:
+        raise ConfigError(f"{name}={value!r} must be at most {MAX_COUNT}{fix}")
     return value
 
 

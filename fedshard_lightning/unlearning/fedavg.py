@@ -17,7 +17,7 @@ from torch import Tensor
 
 from fedshard_lightning.cache import FLCache
 from fedshard_lightning.engine import Group, stack_params, unstack_params
-from fedshard_lightning.errors import ConfigError
+from fedshard_lightning.limits import check_count
 from fedshard_lightning.unlearning.base import Algorithm, UnlearnResult
 
 __all__ = ["FedAvg"]
@@ -38,8 +38,7 @@ class FedAvg(Algorithm):
 
     def __init__(self, rounds: int = 20, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        if not isinstance(rounds, int) or rounds < 1:
-            raise ConfigError(f"algorithm.rounds={rounds!r}: must be a positive integer")
+        check_count("algorithm.rounds", rounds)
         self.rounds = rounds
         self.params: dict[str, Tensor] | None = None
 

@@ -58,7 +58,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fedshard_lightning.errors import ConfigError
+from fedshard_lightning.limits import check_count
 from fedshard_lightning.unlearning.base import UnlearnResult
 from fedshard_lightning.unlearning.history import HistoryFedAvg
 
@@ -149,8 +149,7 @@ class FedRecover(HistoryFedAvg):
             ("final_tuning_rounds", final_tuning_rounds, 0),
             ("buffer_size", buffer_size, 1),
         ):
-            if isinstance(val, bool) or not isinstance(val, int) or val < low:
-                raise ConfigError(f"algorithm.{key}={val!r}: must be an integer >= {low}")
+            check_count(f"algorithm.{key}", val, low)
         super().__init__(rounds=rounds, keep_every=1, **kwargs)
         self.warmup_rounds = warmup_rounds
         self.correction_period = correction_period

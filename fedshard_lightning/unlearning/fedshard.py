@@ -34,6 +34,7 @@ from torch import Tensor
 from fedshard_lightning.engine import Group, RoundInfo, TrainResult
 from fedshard_lightning.engine.mix_rows import mix_rows
 from fedshard_lightning.errors import ConfigError
+from fedshard_lightning.limits import check_count
 from fedshard_lightning.sharding import (
     A1Merge,
     A2Rounds,
@@ -113,9 +114,10 @@ class FedShard(ShardCosts, ShardCache, Algorithm):
             raise ConfigError(f"algorithm.merge_rate={merge_rate!r}: must be an integer >= 2")
         if merge_weighting not in ("clients", "samples"):
             raise ConfigError(f"algorithm.merge_weighting={merge_weighting!r}: choose clients or samples")
-        if not isinstance(fixed_rounds, int) or fixed_rounds < 1:
-            raise ConfigError(f"algorithm.fixed_rounds={fixed_rounds!r}: must be a positive integer")
-        if not (isinstance(t0, int) and isinstance(t1, int)) or t0 < 1 or t0 > t1:
+        check_count("algorithm.fixed_rounds", fixed_rounds)
+        check_count("algorithm.t0", t0, what=" (the fewest rounds a shard trains)")
+        check_count("algorithm.t1", t1, what=" (the most rounds a shard trains)")
+        if t0 > t1:
             raise ConfigError(f"algorithm.t0={t0!r}, algorithm.t1={t1!r}: need integers with 1 <= t0 <= t1")
         self.merge_rate = merge_rate
         self.merge_policy = _merge_policy(merge)

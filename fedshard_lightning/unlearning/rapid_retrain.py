@@ -44,6 +44,7 @@ from torch import Tensor
 from fedshard_lightning.engine import FederatedEngine, Group, stack_params, unstack_params
 from fedshard_lightning.engine.optim import OptimizerSpec
 from fedshard_lightning.errors import ConfigError
+from fedshard_lightning.limits import check_count
 from fedshard_lightning.unlearning.base import UnlearnResult
 from fedshard_lightning.unlearning.context import AlgorithmContext
 from fedshard_lightning.unlearning.fedavg import FedAvg
@@ -133,10 +134,7 @@ class RapidRetrain(FedAvg):
             raise ConfigError(f"algorithm.lr={lr!r}: must be > 0")
         if unlearn_rounds is None:
             unlearn_rounds = max(1, rounds // 2)
-        if isinstance(unlearn_rounds, bool) or not isinstance(unlearn_rounds, int) or unlearn_rounds < 1:
-            raise ConfigError(
-                f"algorithm.unlearn_rounds={unlearn_rounds!r}: must be a positive integer or null"
-            )
+        check_count("algorithm.unlearn_rounds", unlearn_rounds)
         self.fisher_momentum = float(fisher_momentum)
         self.damping = float(damping)
         self.lr = float(lr)

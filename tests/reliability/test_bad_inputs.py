@@ -141,6 +141,11 @@ CASES: dict[str, tuple] = {
     "rho_negative": (fit("--data.rho", "-0.5"), "rho"),
     "t0_above_t1": (fit("--trainer.algorithm.t0", "3", "--trainer.algorithm.t1", "2"), "t0"),
     "t1_negative": (fit("--trainer.algorithm.t1", "-1"), "t1"),
+    "t1_absurd": (fit("--trainer.algorithm.t1", str(10**21)), "algorithm.t1=1000000000000000000000"),
+    "local_epochs_absurd": (
+        fit("--trainer.algorithm.local_steps", "null", "--trainer.algorithm.local_epochs", "1e9"),
+        "local_epochs",
+    ),
     "fixed_rounds_negative": (
         fit("--trainer.algorithm.rounds", "fixed", "--trainer.algorithm.fixed_rounds", "-1"),
         "fixed_rounds",
