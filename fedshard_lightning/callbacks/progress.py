@@ -2,7 +2,9 @@
 
 A long run must be watchable wherever it runs. On a terminal a rich live line is updated once
 per round; when stderr is not a terminal (SLURM, nohup, CI, a pipe) one plain line is printed per
-stage instead, so a log file shows how far the run got and how long it still needs. All work
+stage instead, so a log file shows how far the run got and how long it still needs, and within a
+long stage (a FedAvg baseline is one stage; a CIFAR stage takes hours on a CPU) one round line at
+most every ``plain_every_s`` seconds, so the log never goes quiet for longer. All work
 happens per round or per stage, never per local step, and the live line is redrawn at most every
 ``refresh_every_s`` (rich draws from its own thread), so thousands of short rounds cost nothing.
 
@@ -39,12 +41,20 @@ class ProgressBar(FederatedCallback):
         force: Show the live display even when stderr is not a terminal.
         plain: Print the plain per-stage lines even on a terminal (for logs of interactive runs).
         refresh_every_s: Shortest time between two updates of the live line within a stage.
+        plain_every_s: Off a terminal, shortest time between two plain lines within a stage.
     """
 
-    def __init__(self, force: bool = False, plain: bool = False, refresh_every_s: float = 0.2) -> None:
+    def __init__(
+        self,
+        force: bool = False,
+        plain: bool = False,
+        refresh_every_s: float = 0.2,
+        plain_every_s: float = 30.0,
+    ) -> None:
         self.force, self.plain = force, plain
         self.refresh_every_s = float(refresh_every_s)
-        self._shown = 0.0
+        self.plain_every_s = float(plain_every_s)
+        self._shown = self._printed = 0.0
         self._progress: Any = None
         self._task: Any = None
         self._t0 = 0.0
@@ -97,7 +107,7 @@ class ProgressBar(FederatedCallback):
     # -- hooks -----------------------------------------------------------------------------------
     def on_fit_start(self, trainer: Any) -> None:
         """Start the clock; learn P from the algorithm when it plans its stages."""
-        self._t0 = self._stage_t0 = time.perf_counter()
+        self._t0 = self._stage_t0 = self._printed = time.perf_counter()
         self._stages_done, self._steps = 0, 0.0
         planned = getattr(trainer.algorithm, "planned_stages", None)
         self._planned = planned if isinstance(planned, int) and planned > 0 else None
@@ -132,6 +142,14 @@ class ProgressBar(FederatedCallback):
         self._round = int(info.round) + 1
         self._steps = float(metrics.get("client_steps", self._steps))
         now = time.perf_counter()
+        if (
+            self._round < self._rounds
+            and now - self._printed >= self.plain_every_s
+            and trainer.is_global_zero
+            and (self.plain or not self._live())
+        ):
+            self._printed = now
+            print(f"fit: {self._line()} · elapsed {format_seconds(now - self._t0)}", flush=True)
         if self._progress is None or (
             self._round < self._rounds and now - self._shown < self.refresh_every_s
         ):
@@ -149,6 +167,7 @@ class ProgressBar(FederatedCallback):
         self._stage_t0 = time.perf_counter()
         self._round = self._rounds
         if trainer.is_global_zero and (self.plain or not self._live()):
+            self._printed = self._stage_t0
             eta = self.eta()
             acc = metrics.get("test_accuracy")
             print(

@@ -46,6 +46,27 @@ def test_plain_stage_lines_with_eta_and_the_request_line(run_root, capsys):
     ), out
 
 
+@pytest.mark.parametrize(("every", "want"), [(0.0, 2), (30.0, 0)])
+def test_plain_round_lines_within_a_long_stage(run_root, capsys, every, want):
+    """Off a terminal a stage's rounds print at most every ``plain_every_s`` (not its last round)."""
+    data = small_synthetic()
+    trainer = FederatedTrainer(
+        algorithm=FedShard(rounds="fixed", fixed_rounds=3, batch_size=4),
+        default_root_dir=str(run_root),
+        callbacks=[ProgressBar(plain_every_s=every)],
+        vectorize="always",
+    )
+    trainer.fit(MLP(hidden=(8,), lr=0.1), data)
+    out = capsys.readouterr().out
+    rounds = [x for x in out.splitlines() if x.startswith("fit: stage") and " done " not in x]
+    assert len(rounds) == 3 * want, out
+    pattern = r"fit: stage (\d)/3 · round (\d)/3 · \d group\(s\), 8 clients · \d+ client-steps/s · ETA \S+ · elapsed \S+$"
+    found = [re.match(pattern, x) for x in rounds]
+    assert all(found), rounds
+    assert [(m.group(1), m.group(2)) for m in found] == [(st, r) for st in "123" for r in "12"][: len(found)]
+    assert len([x for x in out.splitlines() if " done " in x and x.startswith("fit: stage")]) == 3
+
+
 def test_eta_is_none_before_anything_ran_and_counts_remaining_stages():
     bar = ProgressBar()
     assert bar.eta() is None
