@@ -202,6 +202,7 @@ def parse_reason(message: str) -> str:
     expected = re.search(r"Expected a <class '(\w+)'>\. Got value: (.*)", message)
     unknown = re.search(r"Option '([^']+)' is not accepted", message)
     bad_class = re.search(r"Problem with given class_path '([^']+)':\s*\n\s*(.+)", message)
+    union = re.search(r"Subtypes: \[(.*?)\]\s*Errors:.*Given value: ([^\n]*)", message, re.S)
     if expected:
         kind, value = expected.groups()
         finite = (
@@ -214,6 +215,10 @@ def parse_reason(message: str) -> str:
         reason = f"unknown option {unknown.group(1)!r}; --print_config lists the accepted ones"
     elif bad_class:
         reason = f"class_path {bad_class.group(1)}: {bad_class.group(2).strip()}"
+    elif union:
+        kinds = re.sub(r"<class '(\w+)'>", r"\1", union.group(1)).replace("NoneType", "null")
+        kinds = re.sub(r",\s*(?![^\[]*\])", " or ", kinds)  # commas outside brackets
+        reason = f"expected {kinds}, got {union.group(2).strip()}"
     else:
         return message
     return f"{field}: {reason}" if field else reason

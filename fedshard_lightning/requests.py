@@ -25,7 +25,9 @@ __all__ = ["apply_request", "check_request", "request_report", "request_start_li
 
 
 def validate_clients(clients: Any, num_clients: int) -> list[int]:
-    """Sorted client ids, refused with a one-line message when malformed, unknown or repeated."""
+    """Sorted client ids (one id alone: ``--clients 7``), refused in one line when malformed, unknown or repeated."""
+    if isinstance(clients, int) and not isinstance(clients, bool):
+        clients = [clients]
     if isinstance(clients, (int, str)) or clients is None:
         raise UnlearningRequestError(
             f"clients={clients!r}: give a list of client ids, e.g. --clients '[3, 17]'"

@@ -310,7 +310,11 @@ class FederatedTrainer:
         return run_test(self, model, datamodule, ckpt_path)
 
     def unlearn(
-        self, model: L.LightningModule, datamodule: FederatedDataModule, ckpt_path: str, clients: list[int]
+        self,
+        model: L.LightningModule,
+        datamodule: FederatedDataModule,
+        ckpt_path: str,
+        clients: list[int] | int,
     ) -> dict[str, Any]:
         """Unlearn clients from a finished run, retraining only what their data touched.
 
@@ -318,7 +322,7 @@ class FederatedTrainer:
             model: The model (same config as the run).
             datamodule: The federated data (same config as the run).
             ckpt_path: Run directory created by fit (the CLI reads its config.yaml first).
-            clients: Client ids to unlearn, e.g. ``[3, 17]``.
+            clients: Client ids to unlearn, e.g. ``[3, 17]``, or one id (``7``).
         """
         with run_lock(existing_run_dir(ckpt_path, "unlearn")):
             self._load_run(model, datamodule, ckpt_path, "unlearn")

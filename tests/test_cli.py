@@ -99,9 +99,14 @@ def test_fit_test_unlearn_audit_end_to_end(run_root, capsys):
         assert key in report
     assert report["predicted_client_steps"] == report["client_steps"]
 
+    code, out, err = _run(["unlearn", "--ckpt_path", str(run), "--clients", "6"], capsys)  # one id alone
+    assert code == 0, err
+    assert json.loads((run / "unlearn_report.json").read_text())["clients"] == [6]
+
     code, out, err = _run(["audit", "--config", str(run / "config.yaml"), "--ckpt_path", str(run)], capsys)
     assert code == 0, err
     assert "audit PASSED" in out
+    assert "unlearned clients [3, 5, 6]" in out
 
 
 def test_fit_without_config_uses_digits_defaults(capsys):
@@ -126,6 +131,14 @@ def test_fit_without_config_uses_digits_defaults(capsys):
         (["fit", "--model", "_models.PlateauMLP"], "ReduceLROnPlateau"),
         (["fit", "--model", "_models.LBFGSMLP"], "LBFGS"),
         (["unlearn", "--ckpt_path", "/nonexistent/run", "--clients", "[1]"], "ckpt_path"),
+        (
+            ["unlearn", "--ckpt_path", "/nonexistent/run", "--clients", "3.5"],
+            "clients: expected list[int] or int, got 3.5",
+        ),
+        (
+            ["fit", "--trainer.max_chunk_clients", "x"],
+            "trainer.max_chunk_clients: expected int or null, got x",
+        ),
     ],
 )
 def test_one_line_errors(args, needle, capsys, run_root):
@@ -230,6 +243,32 @@ def test_top_level_help_names_every_command(capsys):
     assert code == 0
     for command in ("fit", "test", "unlearn", "audit", "runs", "cache"):
         assert command in out
+
+
+@pytest.mark.parametrize(
+    ("message", "want"),
+    [
+        (  # jsonargparse's dump for a Union, as it prints it
+            'Parser key "clients":\n  Does not validate against any of the Union subtypes\n'
+            "  Subtypes: [list[int], <class 'int'>]\n  Errors:\n    - Expected a <class 'list'>\n"
+            "    - Expected a <class 'int'>\n  Given value type: <class 'str'>\n  Given value: 3.5",
+            "clients: expected list[int] or int, got 3.5",
+        ),
+        (
+            'Parser key "trainer":\n  Parser key "loggers":\n  Subtypes: [dict[str, int], <class \'NoneType\'>]\n'
+            "  Errors:\n    - nope\n  Given value: q",
+            "trainer.loggers: expected dict[str, int] or null, got q",
+        ),
+        (
+            'Parser key "data":\n  Parser key "rho": Expected a <class \'float\'>. Got value: inf',
+            "data.rho: expected a float, got inf; give a finite number",
+        ),
+    ],
+)
+def test_parse_reason_turns_jsonargparse_dumps_into_field_and_reason(message, want):
+    from fedshard_lightning.cli import parse_reason
+
+    assert parse_reason(message) == want
 
 
 def test_plain_text_removes_rst_roles():
