@@ -12,7 +12,9 @@ spends the same client-steps (one client-step = one local optimizer step of one 
   holds ``K (1 - (1 - 1/K)^m)`` distinct clients on average: ``rounds = round(C / (S * that / K))``.
 
 RapidRetrain keeps its ratio of unlearning to training rounds. The fit's real client-steps are
-reported beside the target, because rounding (and FATS's draws) leave a small difference.
+reported beside the target, because rounding (and FATS's draws) leave a small difference. The
+copy's recorded constructor arguments (the run's cache fingerprint and hparams) get the new
+rounds too: a run reopened from its recorded settings must retrain the rounds it trained.
 """
 
 from __future__ import annotations
@@ -56,7 +58,11 @@ def match_budget(algorithm: Any, budget: int, client_steps: Sequence[int]) -> tu
     old = alg.rounds
     rounds = max(1, round(budget / (per_round * share)))
     alg.rounds = rounds
+    changed = {"rounds": rounds}
     if hasattr(alg, "unlearn_rounds"):  # RapidRetrain: keep the configured share of rounds
-        alg.unlearn_rounds = max(1, round(alg.unlearn_rounds * rounds / old))
+        alg.unlearn_rounds = changed["unlearn_rounds"] = max(1, round(alg.unlearn_rounds * rounds / old))
         rule += f"; unlearn_rounds scaled to {alg.unlearn_rounds}"
+    recorded = getattr(alg, "_init_args", None)
+    if isinstance(recorded, dict):  # what the fingerprint and a reopened run read (init_args.py)
+        object.__setattr__(alg, "_init_args", {**recorded, **changed})
     return alg, {"rule": rule, "rounds": rounds, "target_client_steps": budget}

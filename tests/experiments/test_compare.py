@@ -158,3 +158,55 @@ def test_poisoning_config_parses(capsys):
     out = capsys.readouterr().out
     for name in ("FedShard", "FedAvg", "FedEraser", "RapidRetrain", "FedRecover"):
         assert f"fedshard_lightning.unlearning.{name}" in out
+
+
+def test_match_budget_records_the_matched_rounds(tmp_path):
+    """The copy's recorded settings (cache fingerprint, hparams) are the rounds it trains.
+
+    Reference: a run reopened from its recorded settings must retrain as many rounds as the fit
+    trained. Before, the copy kept the template's ``rounds``: a compare run trained for 6 rounds
+    recorded 3, refused ``rounds=6`` and, reopened with 3, unlearned by retraining 3 rounds.
+    """
+    from fedshard_lightning.experiments.budget import match_budget
+    from fedshard_lightning.init_args import init_args
+    from fedshard_lightning.unlearning import FATS, FedEraser, FedRecover, RapidRetrain
+
+    steps = [2] * 10
+    for template in (
+        FedAvg(rounds=3),
+        FATS(rounds=3, sample_size=5),
+        FedEraser(rounds=3, delta_t=2),
+        FedRecover(rounds=3, warmup_rounds=1),
+        RapidRetrain(rounds=10, unlearn_rounds=5),
+        RapidRetrain(rounds=10),
+    ):
+        alg, how = match_budget(template, 400, steps)
+        recorded = init_args(alg)["init_args"]
+        assert recorded["rounds"] == alg.rounds == how["rounds"] != template.rounds
+        assert type(alg).__name__ == type(template).__name__
+        if isinstance(alg, RapidRetrain):
+            assert recorded["unlearn_rounds"] == alg.unlearn_rounds == 10
+        assert init_args(template)["init_args"]["rounds"] == template.rounds  # the template is unchanged
+
+    model, data = _setting()
+    res = compare(
+        output_dir=str(tmp_path),
+        algorithms=[FedShard(rounds="fixed", fixed_rounds=1, batch_size=5), FedAvg(rounds=1, batch_size=5)],
+        model=model,
+        data=data,
+        clients=[1],
+        mia=False,
+    )
+    fedavg = res["rows"][1]
+    assert fedavg["rounds"] > 1
+    model, data = _setting()
+    from fedshard_lightning.trainer import FederatedTrainer
+
+    tr = FederatedTrainer(
+        algorithm=FedAvg(rounds=fedavg["rounds"], batch_size=5),
+        default_root_dir=str(tmp_path / "re"),
+        enable_progress_bar=False,
+        eval_every_n_rounds=0,
+    )
+    out = tr.unlearn(model, data, fedavg["run_dir"], [1])  # the run's true settings are accepted
+    assert out["client_steps"] == fedavg["client_steps"]  # and retrain what compare's replay retrained
