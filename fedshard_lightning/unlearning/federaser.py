@@ -34,6 +34,14 @@ Choices and departures:
   model after the round minus the round's starting global model. Rounds whose participants all
   left are skipped. With ``client_fraction < 1`` a retained round is replayed with its original
   participants that remain.
+* Which rounds, and the old update's reference, follow the paper, not the authors' public code
+  (``Fed_Unlearn_base.py``, ``unlearning``): that code retains the client models of rounds
+  ``delta_t - 1, 2 delta_t - 1, ...`` and subtracts from them the global model *after* their
+  round (the equal-weight average they were aggregated into: for one removed client of N its
+  "old update" is (remaining clients' mean - removed client's model) / N, not the update the
+  paper calibrates), and its first step averages round ``delta_t - 1``'s models, which
+  started from a model the leaving client had trained. The two agree only for ``delta_t = 1``
+  in the first step; ours keep rounds ``0, delta_t, ...`` and subtract each round's start model.
 
 Training is plain FedAvg, run as one engine call per round (the engine stage is the round number),
 which :class:`HistoryFedAvg` provides for FedEraser and FedRecover alike; it keeps the retained
