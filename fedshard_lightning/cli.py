@@ -190,6 +190,13 @@ class PlainHelpParser(ArgumentParser):
         """Help as plain text."""
         return plain_text(super().format_help())
 
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        """A parse error as one ``error: field: reason`` line and exit 2, like the main CLI."""
+        if not self.exit_on_error:
+            return super().error(message, ex)
+        sys.stderr.write(f"error: {_one_line(parse_reason(message))}\n")
+        raise SystemExit(2)
+
 
 def parse_reason(message: str) -> str:
     """A jsonargparse parse error as ``field: what was wrong`` (it nests every Union member's complaint).

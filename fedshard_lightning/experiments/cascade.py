@@ -64,6 +64,7 @@ from fedshard_lightning.experiments.common import (
     minority_clients,
     mp_score,
     request_cost,
+    run_cli,
     write_json,
 )
 from fedshard_lightning.metrics.fairness_report import fairness_report
@@ -126,6 +127,10 @@ def cascade(
     """
     if cost_unit not in ("client_steps", "seconds"):
         raise ConfigError(f"cost_unit={cost_unit!r}: choose client_steps or seconds")
+    if isinstance(max_iterations, bool) or not isinstance(max_iterations, int) or max_iterations < 0:
+        raise ConfigError(
+            f"max_iterations={max_iterations!r}: must be an integer >= 0 (0: only the initial request)"
+        )
     setting = ExperimentSetting.build(
         output_dir,
         algorithms,
@@ -235,11 +240,7 @@ def cascade(
 
 def main(args: list[str] | None = None) -> None:
     """Command line: ``python -m fedshard_lightning.experiments.cascade --help``."""
-    from jsonargparse import CLI
-
-    from fedshard_lightning.cli import PlainHelpParser
-
-    payload = CLI(cascade, args=args, as_positional=False, parser_class=PlainHelpParser)
+    payload = run_cli(cascade, args)
     for name, n in payload["summary"].items():
         print(f"{name}: {n} cascaded leaver(s)")
     print(f"results: {payload['output']}")

@@ -34,6 +34,7 @@ __all__ = [
     "minority_clients",
     "mp_score",
     "request_cost",
+    "run_cli",
     "write_json",
 ]
 
@@ -190,6 +191,34 @@ def write_json(path: Path, payload: dict[str, Any]) -> Path:
     """Write JSON with NaN/inf as null."""
     path.write_text(json.dumps(json_safe(payload), indent=2, allow_nan=False) + "\n")
     return path
+
+
+def run_cli(function: Any, args: list[str] | None) -> Any:
+    """Run an experiment function from the command line; bad input is one ``error:`` line, exit 2.
+
+    Parse errors are handled by the parser; a :class:`~fedshard_lightning.errors.FedShardError`
+    raised by the experiment or by a class of its config (a value out of range) would otherwise
+    end in a traceback.
+    """
+    import sys
+
+    from jsonargparse import CLI
+
+    from fedshard_lightning.cli import PlainHelpParser
+    from fedshard_lightning.errors import FedShardError
+
+    try:
+        return CLI(function, args=args, as_positional=False, parser_class=PlainHelpParser)
+    except Exception as e:
+        # jsonargparse wraps an error raised while instantiating a class of the config (an
+        # algorithm with rounds: 0) in a ValueError; the user's error is in the cause chain.
+        cause: BaseException | None = e
+        while cause is not None and not isinstance(cause, FedShardError):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            raise
+        sys.stderr.write(f"error: {' '.join(str(cause).split())}\n")
+        raise SystemExit(2) from None
 
 
 def _stats(values: list[float]) -> dict[str, float | None]:

@@ -302,18 +302,9 @@ def _log_wandb(out: Path, agg: list[dict[str, Any]]) -> None:
 
 def main(args: list[str] | None = None) -> None:
     """Command line: ``python -m fedshard_lightning.experiments.compare --help``."""
-    import sys
+    from fedshard_lightning.experiments.common import run_cli
 
-    from jsonargparse import CLI
-
-    from fedshard_lightning.cli import PlainHelpParser
-    from fedshard_lightning.errors import FedShardError
-
-    try:
-        result = CLI(compare, args=args, as_positional=False, parser_class=PlainHelpParser)
-    except FedShardError as e:
-        sys.stderr.write(f"error: {' '.join(str(e).split())}\n")
-        raise SystemExit(2) from None
+    result = run_cli(compare, args)
     print((Path(result["output"]) / "compare.md").read_text())
 
 

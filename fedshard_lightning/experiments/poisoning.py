@@ -33,6 +33,7 @@ from fedshard_lightning.experiments.common import (
     ExperimentSetting,
     fit_method,
     minority_clients,
+    run_cli,
     write_json,
 )
 from fedshard_lightning.metrics.fairness_report import fairness_report
@@ -145,11 +146,7 @@ def poisoning(
 
 def main(args: list[str] | None = None) -> None:
     """Command line: ``python -m fedshard_lightning.experiments.poisoning --help``."""
-    from jsonargparse import CLI
-
-    from fedshard_lightning.cli import PlainHelpParser
-
-    payload = CLI(poisoning, args=args, as_positional=False, parser_class=PlainHelpParser)
+    payload = run_cli(poisoning, args)
     for name, p in payload["summary"].items():
         print(f"{name}: attack precision {100 * p:.1f}%")
     print(f"results: {payload['output']}")
