@@ -117,7 +117,8 @@ def cascade(
         holdout: Measure accuracy on the clients' held-out samples (default data: 20% held out).
         eps0: M_p normalisation offset.
         eps1: M_p normalisation range guard.
-        seed: Seed of the data split, the training and the draw of the initial leavers.
+        seed: Seed of the data split (a given datamodule is rebuilt with it), the training and
+            the draw of the initial leavers.
         precision: Trainer precision.
         accelerator: Trainer accelerator.
         vectorize: Trainer vectorization mode.

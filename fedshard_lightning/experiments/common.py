@@ -35,6 +35,7 @@ __all__ = [
     "mp_score",
     "request_cost",
     "run_cli",
+    "with_seed",
     "write_json",
 ]
 
@@ -59,6 +60,21 @@ def minority_clients(datamodule: FederatedDataModule) -> list[int]:
     k_first = min(max(round(k * datamodule.label_split_fraction), 1), k - 1)
     first, second = list(range(k_first)), list(range(k_first, k))
     return first if len(first) < len(second) else second
+
+
+def with_seed(data: FederatedDataModule, seed: int) -> FederatedDataModule:
+    """A fresh copy of ``data`` whose partition (and generated samples) use ``seed``.
+
+    Rebuilt from its recorded init args rather than copied and patched, so that what the run
+    records of it (``cache/FINGERPRINT``'s ``data_settings``) names the seed it really used, and a
+    template that is already set up draws its partition again.
+    """
+    args = getattr(data, "_init_args", None)
+    if isinstance(args, dict) and "seed" in args:
+        return type(data)(**{**args, "seed": seed})
+    out = copy.deepcopy(data)
+    out.seed = seed
+    return out
 
 
 @dataclass
@@ -90,8 +106,16 @@ class ExperimentSetting:
         seed: int,
         **kwargs: Any,
     ) -> ExperimentSetting:
-        """Defaults: Digits with a 0.75 label split, an MLP(64, 64), FedShard and FedAvg."""
-        if data is None:
+        """Defaults: Digits with a 0.75 label split, an MLP(64, 64), FedShard and FedAvg.
+
+        ``seed`` is also the partition seed of a given datamodule (a copy; as in ``compare``), so
+        that repeating an experiment over seeds repeats it over data splits too.
+        """
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+            raise ConfigError(f"seed={seed!r}: must be an integer in [0, 2**32)")
+        if data is not None:
+            data = with_seed(data, seed)
+        else:
             from fedshard_lightning.data import DigitsDataModule
 
             data = DigitsDataModule(

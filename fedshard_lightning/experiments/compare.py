@@ -37,6 +37,7 @@ from fedshard_lightning.callbacks.task_progress import TaskProgress
 from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.errors import ConfigError
 from fedshard_lightning.experiments.budget import match_budget
+from fedshard_lightning.experiments.common import run_cli, with_seed
 from fedshard_lightning.experiments.plots import plot_cost_distributions
 from fedshard_lightning.experiments.tables import COLUMNS, aggregate, write_tables
 from fedshard_lightning.metrics import efficiency_fairness
@@ -211,8 +212,7 @@ def _run_seed(
 
     ``progress`` gets one update per method (a plain line off a terminal): fit and replay done.
     """
-    dm = copy.deepcopy(data)
-    dm.seed = seed
+    dm = with_seed(data, seed)
     rows: list[dict[str, Any]] = []
     ref_budget: int | None = None
     step_counts: list[int] | None = None
@@ -302,8 +302,6 @@ def _log_wandb(out: Path, agg: list[dict[str, Any]]) -> None:
 
 def main(args: list[str] | None = None) -> None:
     """Command line: ``python -m fedshard_lightning.experiments.compare --help``."""
-    from fedshard_lightning.experiments.common import run_cli
-
     result = run_cli(compare, args)
     print((Path(result["output"]) / "compare.md").read_text())
 

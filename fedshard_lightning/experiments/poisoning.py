@@ -73,7 +73,7 @@ def poisoning(
         holdout: Measure accuracy on the clients' held-out samples (default data: 20% held out).
         eps0: M_p normalisation offset.
         eps1: M_p normalisation range guard.
-        seed: Seed of the data split and the training.
+        seed: Seed of the data split (a given datamodule is rebuilt with it) and the training.
         precision: Trainer precision.
         accelerator: Trainer accelerator.
         vectorize: Trainer vectorization mode.
