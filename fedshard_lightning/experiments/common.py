@@ -125,6 +125,11 @@ class ExperimentSetting:
                 seed=seed,
                 holdout_fraction=0.2 if kwargs.get("holdout") else 0.0,
             )
+        if kwargs.get("holdout") and not data.holdout_fraction > 0:
+            raise ConfigError(
+                f"holdout: true but data.holdout_fraction={data.holdout_fraction}: the clients hold no "
+                "held-out samples to measure; set data.holdout_fraction (e.g. 0.2) or holdout: false"
+            )
         if data.partition != "label_split":
             raise ConfigError(
                 f"data.partition={data.partition!r}: this experiment needs the two-label-partition split "

@@ -71,3 +71,20 @@ def test_compare_records_the_seed_each_run_used(tmp_path):
     )
     fingerprint = json.loads((Path(res["rows"][0]["run_dir"]) / "cache" / "FINGERPRINT").read_text())
     assert fingerprint["body"]["data_settings"]["init_args"]["seed"] == 3
+
+
+def test_holdout_needs_held_out_samples(tmp_path):
+    # holdout: true on data without held-out samples had given NaN drops: nobody poisoned, no
+    # cascade, whatever happened.
+    with pytest.raises(ConfigError, match="holdout_fraction"):
+        ExperimentSetting.build(tmp_path, None, None, _data(), 8, 0.75, seed=0, holdout=True)
+    held = SyntheticDataModule(
+        num_clients=8,
+        partition="label_split",
+        num_samples=128,
+        num_test=40,
+        shape=(6,),
+        num_classes_=4,
+        holdout_fraction=0.25,
+    )
+    assert ExperimentSetting.build(tmp_path, None, None, held, 8, 0.75, seed=0, holdout=True).holdout
