@@ -16,7 +16,9 @@ Protocol, for every method (FedShard by default, and FedAvg retraining; any
    staying ``W^k = -DeltaY_r - Z``, leaving ``W^l = -Y*``; it leaves iff ``W^k < W^l``, i.e.
    ``DeltaY_r > Y* - Z``.
 4. The clients that decided to leave are unlearned together (one request) and step 3 repeats
-   with the new model, until nobody leaves (or ``max_iterations``).
+   with the new model, until nobody leaves. At ``max_iterations`` cascade steps it stops: the
+   clients that decided to leave in the last step count as cascaded leavers (not unlearned), and
+   ``stopped_at_max_iterations`` says the cascade was cut.
 
 Our readings, where the paper leaves quantities undefined (also in ``docs/fairness.md``):
 
@@ -164,6 +166,7 @@ def cascade(
         iterations: list[dict[str, Any]] = []
         mp_first = None
         cascaded: list[int] = []
+        stopped = False
         state = run.state
         for it in range(max_iterations + 1):
             state, result = run.what_if(state, leavers)
@@ -199,6 +202,12 @@ def cascade(
                 cascaded.extend(next_leavers)
                 iterations[-1]["dissolved"] = True
                 break
+            if it == max_iterations:
+                # The cap: these clients decided to leave (they are cascaded leavers) but are not
+                # unlearned, and the cascade might have gone on; the results say so.
+                cascaded.extend(next_leavers)
+                iterations[-1]["stopped_at_max_iterations"] = stopped = True
+                break
             prev_acc, leavers = acc, next_leavers
         minority_set = set(minority)
         results[algorithm.name] = {
@@ -208,6 +217,7 @@ def cascade(
             "cascaded_minority": sum(c in minority_set for c in cascaded),
             "cascaded_majority": sum(c not in minority_set for c in cascaded),
             "remaining_clients": k - len(first) - len(cascaded),
+            "stopped_at_max_iterations": stopped,
             "iterations": iterations,
             "M_p_first_request": mp_first,
             "test_accuracy_fit": run.fit_metrics.get("test_accuracy"),

@@ -143,3 +143,27 @@ def test_cli_help(module, capsys):
     assert info.value.code == 0
     out = capsys.readouterr().out
     assert "--output_dir" in out and "--algorithms" in out and "--config" in out
+
+
+def test_cascade_cut_by_max_iterations_counts_who_decided_to_leave(tmp_path):
+    # Reference (the payoff rule): a client that decided to leave is a cascaded leaver, whether or
+    # not the cap leaves time to unlearn it; a cut cascade says so.
+    def run(max_iterations):
+        out = cascade(
+            algorithms=[FedShard(rounds="fixed", fixed_rounds=2, batch_size=8)],
+            initial_leavers=2,
+            y_star=-0.01,
+            max_iterations=max_iterations,
+            **_common(tmp_path, f"m{max_iterations}"),
+        )
+        return out["methods"]["fedshard"]
+
+    full = run(20)
+    assert len(full["iterations"]) >= 3 and not full["stopped_at_max_iterations"]
+    for cap in (0, 1):
+        cut = run(cap)
+        decided = sorted(c for it in full["iterations"][: cap + 1] for c in it["decide_to_leave"])
+        assert cut["cascaded_clients"] == decided and cut["cascaded_leavers"] == len(decided)
+        assert cut["stopped_at_max_iterations"] is True
+        assert cut["iterations"][-1]["stopped_at_max_iterations"] is True
+        assert cut["remaining_clients"] == K - 2 - len(decided)
