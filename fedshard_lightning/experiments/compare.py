@@ -289,13 +289,17 @@ def _run_seed(
 
 
 def _log_wandb(out: Path, agg: list[dict[str, Any]]) -> None:
+    """The summary as a W&B table: per column its mean and sample std over seeds, as in compare.md."""
     import wandb
 
     run = wandb.init(
         project="fedshard-lightning", name="compare", job_type="compare", dir=str(out), mode="offline"
     )
-    cols = ["method", *(h for _, h, _ in COLUMNS)]
-    data = [[e["method"], *(e[k]["mean"] for k, _, _ in COLUMNS)] for e in agg]
+    cols = ["method", "seeds", *(f"{h}, {stat}" for _, h, _ in COLUMNS for stat in ("mean", "sample std"))]
+    data = [
+        [e["method"], len(e["seeds"]), *(e[k][stat] for k, _, _ in COLUMNS for stat in ("mean", "std"))]
+        for e in agg
+    ]
     run.log({"compare": wandb.Table(columns=cols, data=data)})
     run.finish()
 

@@ -210,3 +210,36 @@ def test_match_budget_records_the_matched_rounds(tmp_path):
     )
     out = tr.unlearn(model, data, fedavg["run_dir"], [1])  # the run's true settings are accepted
     assert out["client_steps"] == fedavg["client_steps"]  # and retrain what compare's replay retrained
+
+
+def test_wandb_table_has_the_spread_over_seeds(tmp_path):
+    # The W&B table had only the means under the bare headers: with 2 seeds it read like one run.
+    model, data = _setting()
+    res = compare(
+        output_dir=str(tmp_path),
+        algorithms=[FedShard(rounds="fixed", fixed_rounds=1, batch_size=5), FedAvg(rounds=2, batch_size=5)],
+        model=model,
+        data=data,
+        clients=[1],
+        seeds=[0, 1],
+        mia=False,
+        wandb=True,
+    )
+    tables = list((tmp_path / "wandb").rglob("compare_*.table.json"))
+    assert len(tables) == 1, tables
+    table = json.loads(tables[0].read_text())
+    cols = table["columns"]
+    assert cols[:2] == ["method", "seeds"]
+    by_method = {row[0]: dict(zip(cols, row)) for row in table["data"]}
+    for key, header, _ in COLUMNS:
+        for method in ("fedshard", "fedavg"):
+            rows = [r for r in res["rows"] if r["method"] == method]
+            vals = [float(r[key]) for r in rows if r[key] is not None]
+            if not vals:
+                continue
+            mean = sum(vals) / len(vals)
+            std = (sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)) ** 0.5
+            got = by_method[method]
+            assert got["seeds"] == 2
+            assert got[f"{header}, mean"] == pytest.approx(mean, rel=1e-9, abs=1e-12)
+            assert got[f"{header}, sample std"] == pytest.approx(std, rel=1e-6, abs=1e-12)
