@@ -37,8 +37,8 @@ Our readings, where the paper leaves quantities undefined (also in ``docs/fairne
   ``y_star`` (default 0.1, ten accuracy points). It must exceed the accuracy granularity of one
   client's data: with 64 Digits clients a majority client holds about 15 samples, so one sample
   flipping by chance is 6.7 points; with ``y_star = 0.05`` that noise alone makes clients leave
-  (measured: FedShard 1, FedAvg retraining 16 cascaded leavers), with 0.1 neither method causes
-  any, as the paper reports for exact methods.
+  (measured 2026-11-27: FedShard 9, FedAvg retraining 17 cascaded leavers, docs/fairness.md),
+  with 0.1 neither method causes any, as the paper reports for exact methods.
 
 Results go to ``output_dir/cascade.json``: per method, the number of cascaded leavers (not
 counting the initial ones), who they are (majority / minority), every iteration's request, cost
