@@ -2,8 +2,11 @@
 
 The Dirichlet scheme is the NIID-Bench "label-dir" scheme (Li et al., ICDE 2022; also FedLab):
 for every class, a Dir(rho) vector splits that class's samples over the clients, with the
-NIID-Bench balancing step (a client already holding more than N/K samples takes no more), and the
-whole draw is repeated until every client holds at least ``min_size`` samples. The label split is
+NIID-Bench balancing step (a client already holding N/K samples or more takes no more), and the
+whole draw is repeated until every client holds at least ``min_size`` samples. Where a tiny rho
+puts exactly zero weight on every client still open (NIID-Bench would divide by zero), the class
+is split by a fresh Dir(rho) over the open clients only: the law of the first draw restricted to
+them, so full clients stay full and a smaller rho never spreads a class more. The label split is
 the "two label partitions" setting of the FedShard paper (Appendix G.5): a fraction of the clients
 (48 of 64 by default) sees one half of the labels, the rest the other half.
 """
@@ -56,9 +59,14 @@ def dirichlet_partition(
         for idx in by_class:
             idx = rng.permutation(idx)
             p = rng.dirichlet(np.full(num_clients, rho))
-            p = p * (sizes < n / num_clients)
+            open_ = sizes < n / num_clients
+            p = p * open_
             total = p.sum()
-            p = np.full(num_clients, 1.0 / num_clients) if total <= 0 else p / total
+            if total <= 0:  # every open client drew exactly 0 (tiny rho): Dir(rho) over the open ones
+                p = np.zeros(num_clients)
+                p[open_] = rng.dirichlet(np.full(int(open_.sum()), rho))
+                total = p.sum()
+            p = p / total
             cuts = (np.cumsum(p) * len(idx)).astype(np.int64)[:-1]
             for c, chunk in enumerate(np.split(idx, cuts)):
                 parts[c].extend(chunk.tolist())

@@ -115,3 +115,21 @@ def test_label_split_default_fedshard_setting():
 def test_label_split_rejects_bad_fraction():
     with pytest.raises(ConfigError, match="label_split_fraction"):
         label_split_partition(np.arange(10) % 2, 4, 1.0, np.random.default_rng(0))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_dirichlet_tiny_rho_keeps_each_class_on_one_open_client(seed):
+    """At rho = 1e-6, Dir(rho) is one-hot in float64, so label-dir gives each class to one client,
+    and NIID-Bench's balancing gives nothing to a client already holding >= N/K samples. Checked
+    class by class (sorted order, as drawn) from the partition alone; a draw that put its one-hot
+    on a full client had spread the class over all 50 clients instead (seed 1)."""
+    labels = np.repeat(np.arange(10), 200)
+    k = 50
+    parts = dirichlet_partition(labels, k, 1e-6, 0, np.random.default_rng(seed))
+    assert _is_partition(parts, len(labels))
+    sizes = np.zeros(k, dtype=np.int64)
+    for c in range(10):
+        got = np.array([np.count_nonzero(labels[p] == c) for p in parts])
+        assert np.count_nonzero(got) == 1
+        assert not got[sizes >= len(labels) / k].any()
+        sizes += got
