@@ -46,11 +46,15 @@ class FederatedDataModule(RecordsInitArgs, L.LightningDataModule):
         partition: ``iid``, ``dirichlet`` (NIID-Bench label-dir with concentration ``rho``) or
             ``label_split`` (two client groups on disjoint halves of the labels).
         rho: Dirichlet concentration; smaller is more skewed.
-        min_client_size: Every client holds at least this many training samples.
+        min_client_size: ``dirichlet`` only: redrawn until every client holds at least this
+            many samples, counted before ``holdout_fraction`` takes its share; ``iid`` and
+            ``label_split`` give near-equal parts and only guarantee one sample per client.
         label_split_fraction: Share of clients in the first group of ``label_split``.
         holdout_fraction: Share of each client's samples kept out of training as its own held-out
             set (per-client accuracy for the fairness metrics); 0 disables it.
-        seed: Seed of the partition (independent of the training seed).
+        seed: Seed of the partition and of the held-out split, and of whatever else a dataset
+            draws (the digits and Purchase-100 train/test split, the synthetic samples);
+            independent of ``seed_everything``, which seeds the model and the training.
         data_dir: Folder that holds (or receives) the dataset files.
         download: Fetch missing files in ``prepare_data``.
     """
