@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from fedshard_lightning.data.download import RemoteFile
+from fedshard_lightning.data.extract import _one_line
 from fedshard_lightning.data.files import FileDataModule
 from fedshard_lightning.errors import DataError
 
@@ -76,7 +77,7 @@ def read_adult_csv(path: Path) -> tuple[list[list[str]], np.ndarray]:
                 rows.append(fields[:-1])
                 labels.append(_LABELS[label])
     except (UnicodeDecodeError, csv.Error) as e:
-        raise DataError(f"{path}: not a readable Adult CSV file ({e})") from e
+        raise DataError(f"{path}: not a readable Adult CSV file ({_one_line(e)})") from e
     return rows, np.asarray(labels, dtype=np.int64)
 
 
@@ -97,7 +98,7 @@ def encode_adult(train_rows: list[list[str]], test_rows: list[list[str]]) -> tup
             try:
                 a, b = np.asarray(tr, dtype=np.float64), np.asarray(te, dtype=np.float64)
             except ValueError as e:
-                raise DataError(f"Adult: attribute {name} must be numeric ({e})") from e
+                raise DataError(f"Adult: attribute {name} must be numeric ({_one_line(e)})") from e
             mu = a.mean() if len(a) else 0.0
             sd = a.std() if len(a) else 1.0
             sd = sd if sd > 0 else 1.0

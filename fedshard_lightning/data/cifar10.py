@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from fedshard_lightning.data.download import RemoteFile, extract, missing_files_error
+from fedshard_lightning.data.extract import _one_line
 from fedshard_lightning.data.files import FileDataModule
 from fedshard_lightning.errors import DataError
 
@@ -125,7 +126,7 @@ def read_cifar_batches(
                     raise DataError(f"{dataset}: {folder}/{m} not found in {tar_path}")
                 out[m] = read_cifar_batch(f.read(), f"{tar_path}:{folder}/{m}")
     except (tarfile.TarError, OSError, EOFError) as e:
-        raise DataError(f"{dataset}: {tar_path} is corrupt or truncated ({e})") from e
+        raise DataError(f"{dataset}: {tar_path} is corrupt or truncated ({_one_line(e)})") from e
     return out
 
 

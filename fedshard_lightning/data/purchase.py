@@ -25,6 +25,7 @@ from fedshard_lightning.data.download import (
     extract,
     find_first,
 )
+from fedshard_lightning.data.extract import _one_line
 from fedshard_lightning.data.files import FileDataModule
 from fedshard_lightning.errors import ConfigError, DataError
 
@@ -76,7 +77,7 @@ def read_purchase_csv(data: bytes, source: str) -> tuple[np.ndarray, np.ndarray]
         try:
             table = np.loadtxt(io.BytesIO(b"\n".join(rows)), delimiter=",", dtype=np.float64, ndmin=2)
         except ValueError as e:
-            raise DataError(f"{source}: not a numeric CSV of label then features ({e})") from e
+            raise DataError(f"{source}: not a numeric CSV of label then features ({_one_line(e)})") from e
         if table.shape[1] < 2 or not np.array_equal(table[:, 0], np.round(table[:, 0])):
             raise DataError(f"{source}: the first column must be an integer label, followed by the features")
         parsed = table[:, 1:].astype(np.float32), table[:, 0].astype(np.int64)
@@ -99,7 +100,7 @@ def read_purchase_npz(path: Path) -> tuple[np.ndarray, np.ndarray]:
                 raise DataError(f"{path}: expected arrays features/labels or X/Y, found {sorted(keys)}")
             features, labels = npz[pair[0]], npz[pair[1]]
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
-        raise DataError(f"{path}: not a readable .npz file ({e})") from e
+        raise DataError(f"{path}: not a readable .npz file ({_one_line(e)})") from e
     if labels.ndim == 2:
         labels = labels.argmax(axis=1)  # one-hot
     labels = labels.reshape(-1).astype(np.int64)
@@ -188,7 +189,7 @@ class Purchase100DataModule(FileDataModule):
                     raise DataError(f"{path}: no {_CSV} file in the archive")
                 data = f.read()
         except (tarfile.TarError, OSError, EOFError) as e:
-            raise DataError(f"{path}: corrupt or truncated archive ({e})") from e
+            raise DataError(f"{path}: corrupt or truncated archive ({_one_line(e)})") from e
         return read_purchase_csv(data, f"{path}:{_CSV}")
 
     def read_split(self, train: bool) -> tuple[Tensor, Tensor]:

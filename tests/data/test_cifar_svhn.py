@@ -152,3 +152,20 @@ def test_svhn_bad_file_is_a_data_error(tmp_path):
     (tmp_path / "svhn" / "train_32x32.mat").write_bytes(b"MATLAB 5.0 but not really")
     with pytest.raises(DataError, match=r"train_32x32\.mat"):
         SVHNDataModule(data_dir=str(tmp_path), num_clients=1).setup()
+
+
+@pytest.mark.parametrize(
+    ("cls", "folder", "archive"),
+    [
+        (CIFAR10DataModule, "cifar10", "cifar-10-python.tar.gz"),
+        (CIFAR100DataModule, "cifar100", "cifar-100-python.tar.gz"),
+    ],
+)
+def test_corrupt_cifar_archive_error_is_one_line(tmp_path, cls, folder, archive):
+    """tarfile lists every compression it tried on separate lines; the DataError keeps one."""
+    (tmp_path / folder).mkdir()
+    (tmp_path / folder / archive).write_bytes(b"\x1f\x8b" + b"0" * 100)
+    dm = cls(num_clients=2, partition="iid", min_client_size=1, data_dir=str(tmp_path))
+    with pytest.raises(DataError, match="corrupt or truncated") as info:
+        dm.setup()
+    assert "\n" not in str(info.value)

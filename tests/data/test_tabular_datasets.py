@@ -184,3 +184,13 @@ def test_adult_missing_files_error_is_one_line(tmp_path):
     assert "\n" not in message and "Adult" in message and str(tmp_path / "adult") in message
     assert "adult.data" in message and "adult.test" in message
     assert "https://archive.ics.uci.edu" in message and "download: true" in message
+
+
+def test_corrupt_purchase_archive_error_is_one_line(tmp_path):
+    """tarfile lists every compression it tried on separate lines; the DataError keeps one."""
+    (tmp_path / "purchase100").mkdir()
+    (tmp_path / "purchase100" / "dataset_purchase.tgz").write_bytes(b"\x1f\x8b" + b"0" * 100)
+    dm = Purchase100DataModule(num_clients=2, partition="iid", min_client_size=1, data_dir=str(tmp_path))
+    with pytest.raises(DataError, match="corrupt or truncated") as info:
+        dm.setup()
+    assert "\n" not in str(info.value)
