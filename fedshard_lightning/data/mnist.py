@@ -152,6 +152,19 @@ class MNISTDataModule(FileDataModule):
         )
     )
 
+    def remote_files(self) -> tuple[RemoteFile, ...]:
+        """The ``.gz`` files to fetch, less those only present uncompressed (read as they are).
+
+        A ``.gz`` that is there is still verified; an uncompressed twin has no published checksum
+        to verify, but :meth:`read_split` reads it, so fetching its ``.gz`` only costs a download
+        (and fails offline with the shipped ``download: true``).
+        """
+        return tuple(
+            f
+            for f in self.resources
+            if (self.root / f.name).exists() or not (self.root / f.name.removesuffix(".gz")).is_file()
+        )
+
     def read_split(self, train: bool) -> tuple[Tensor, Tensor]:
         """Read one split's image and label IDX files into uint8 [N, 1, H, W] and int64 [N]."""
         prefix = "train" if train else "t10k"

@@ -168,3 +168,24 @@ def test_hand_placed_archive_failing_verification_is_kept_as_bad(server, tmp_pat
     assert f"kept as {name}.bad" in line and "\n" not in line
     dm.setup()
     assert tuple(dm.train_x.shape) == (40, 3, 32, 32)
+
+
+@pytest.mark.parametrize("cls", [MNISTDataModule, FashionMNISTDataModule])
+def test_download_skips_idx_files_present_uncompressed(server, tmp_path, monkeypatch, cls):
+    """The loader reads ``x`` for ``x.gz``; download: true then fetches only what is absent, and
+    still verifies a ``.gz`` that is there (here: the one file left compressed)."""
+    import gzip
+
+    files = mnist_file_bytes(10, 5)
+    monkeypatch.setattr(cls, "resources", tuple(server.remote(n, d) for n, d in files.items()))
+    root = tmp_path / cls.folder
+    root.mkdir()
+    names = list(files)
+    for name in names[1:]:
+        (root / name.removesuffix(".gz")).write_bytes(gzip.decompress(files[name]))
+    dm = cls(data_dir=str(tmp_path), download=True, num_clients=2, partition="iid", min_client_size=1)
+    dm.prepare_data()
+    assert [r.path for r in server.requests] == [f"/files/{names[0]}"]
+    assert not any((root / name).exists() for name in names[1:])
+    dm.setup()
+    assert tuple(dm.train_x.shape) == (10, 1, 28, 28)
