@@ -20,6 +20,9 @@ class DigitsDataModule(FederatedDataModule):
         **kwargs: See :class:`FederatedDataModule`.
     """
 
+    # The pixels (images / 16) have mean 0.3052 and std 0.3760. The std constant is not that
+    # (0.3861, of unknown origin): it only rescales the inputs by 2.7%, and every digits
+    # figure in README, configs and docs was measured with it, so it stays for comparability.
     mean = (0.3052,)
     std = (0.3861,)
 
