@@ -6,10 +6,9 @@ client ``c``, "what would it cost to unlearn ``c`` alone?":
 
 * ``mode="predicted"``: ``Z_c`` = ``algorithm.predict_cost([c])`` client-steps, for every client,
   without training (cheap: a walk over the frozen tree / the round schedule).
-* ``mode="measured"``: every client of the sample is actually unlearned alone with the pure
-  ``algorithm.what_if(state, [c])`` (seconds and client-steps recorded): each request starts
-  from the fitted state, and nothing of the run (algorithm state, model file, cache, request
-  log) changes.
+* ``mode="measured"``: every client of the sample is unlearned alone with the pure
+  ``algorithm.what_if(state, [c])`` (seconds and client-steps recorded), from the fitted state;
+  nothing of the run (algorithm state, model file, cache, request log) changes.
 
 What "after" means for M_p (our reading of the paper, documented in ``docs/fairness.md``):
 the paper defines ``M_p`` for *one* unlearning request that splits the clients into leaving
@@ -23,8 +22,8 @@ the statistic the paper reports over repetitions). In ``clients.csv``, ``acc_aft
 ``delta_acc`` of client ``c`` are those of the model after unlearning ``c`` itself (how much it
 was forgotten), and ``M_p_request`` is ``M_p({c})``.
 
-Client alphas (SPEC section 4): one probe round of every client from the fitted model (the shared
-reference), :func:`~fedshard_lightning.metrics.client_alpha.client_alphas`.
+Client alphas (SPEC section 4): one probe round of every client from the fitted model,
+:func:`~fedshard_lightning.metrics.client_alpha.client_alphas`.
 
 ``M_e`` (SPEC section 8) is computed with the costs in seconds when measured (``M_e_seconds``) and
 in client-steps always (``M_e_steps``, deterministic); ``summary["M_e"]`` is the seconds version
@@ -33,9 +32,10 @@ in measured mode and the client-step version in predicted mode.
 Membership inference (SPEC section 10, :mod:`fedshard_lightning.metrics.mia`): see
 :class:`~fedshard_lightning.metrics.membership.MembershipAudit`. Per-request drops and M_p come
 from :func:`~fedshard_lightning.metrics.fairness_report.fairness_report`, the same function the
-cascade and poisoning experiments use; the plots from :mod:`fedshard_lightning.callbacks.plots`. ``mia_f1_before`` scores the fitted model on the evaluated clients'
-data; ``mia_f1_after`` pools, over the measured requests, the model after unlearning ``c`` on
-``c``'s data.
+cascade and poisoning experiments use; the plots from :mod:`fedshard_lightning.callbacks.plots`.
+``mia_f1_before`` / ``mia_auc_before`` score the fitted model on the evaluated clients' data;
+``mia_f1_after`` / ``mia_auc_after`` pool, over the measured requests, the model after
+unlearning ``c`` on ``c``'s data (AUC 0.5: the attack has no power, whatever its threshold).
 
 Files written into ``trainer.run_dir/fairness/``: ``clients.csv``, ``summary.json``,
 ``cost_distribution.png``, ``round_accuracy.png``.
@@ -228,11 +228,12 @@ class UnlearningReplay(FederatedCallback):
         audit = None
         if self.mia:
             audit = MembershipAudit(module, dm, reference, chosen, self.seed, self.mia_classifier)
-        f1_before = audit.f1(reference) if audit is not None else None
+        f1_before, auc_before = audit.scores(reference) if audit is not None else (None, None)
 
         m = self._measure(trainer, chosen, acc_before, alphas, audit, split) if measured else _Measured()
         z_steps, z_sec, acc_after, mp_request = m.z_steps, m.z_sec, m.acc_after, m.mp_request
-        f1_after = audit.pooled_f1(m.after_logits) if audit is not None and m.after_logits else None
+        has_after = audit is not None and m.after_logits
+        f1_after, auc_after = audit.pooled_scores(m.after_logits) if has_after else (None, None)
 
         pop_alpha = alphas[population]
         me_clients = chosen if measured else population
@@ -280,6 +281,8 @@ class UnlearningReplay(FederatedCallback):
             "mia_f1_before": f1_before,
             "mia_f1_after": f1_after,
             "mia_f1": f1_after if f1_after is not None else f1_before,
+            "mia_auc_before": auc_before,
+            "mia_auc_after": auc_after,
             "unlearn_seconds_mean": st_sec["mean"],
             "unlearn_seconds_var": st_sec["var"],
             "unlearn_seconds_std": st_sec["std"],
@@ -312,10 +315,7 @@ class UnlearningReplay(FederatedCallback):
     def _measure(
         self, trainer: Any, chosen: list[int], acc_before: Tensor, alphas: Tensor, audit: Any, split: str
     ) -> _Measured:
-        """Unlearn every chosen client alone with the pure ``what_if`` (each from the fitted state).
-
-        Progress counts client-steps against the predicted costs: a line per request off a terminal.
-        """
+        """Unlearn every chosen client alone with ``what_if`` from the fitted state (progress in client-steps)."""
         alg, module, dm = trainer.algorithm, trainer.module, trainer.datamodule
         out, fitted = _Measured(), alg.state_dict()
         shown = trainer.is_global_zero and getattr(trainer, "enable_progress_bar", False)

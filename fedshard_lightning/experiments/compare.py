@@ -266,6 +266,8 @@ def _run_seed(
             "M_p": s.get("M_p"),
             "mia_f1_before": s.get("mia_f1_before"),
             "mia_f1_after": s.get("mia_f1_after"),
+            "mia_auc_before": s.get("mia_auc_before"),
+            "mia_auc_after": s.get("mia_auc_after"),
             "test_accuracy_after": s.get("test_accuracy_after_mean"),
             "budget_rule": how["rule"],
             "rounds": how.get("rounds"),

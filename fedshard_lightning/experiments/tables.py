@@ -28,6 +28,8 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("M_p", "M_p (unitless, >= 4)", r"$M_p$"),
     ("mia_f1_before", "MIA F1 before (fraction)", r"F1 before"),
     ("mia_f1_after", "MIA F1 after (fraction)", r"F1 after"),
+    ("mia_auc_before", "MIA AUC before (0.5: chance)", r"AUC before"),
+    ("mia_auc_after", "MIA AUC after (0.5: chance)", r"AUC after"),
     ("test_accuracy_after", "test acc after (fraction)", r"acc after"),
     ("speedup_steps", "FA cost / cost (x, client-steps)", r"FA/\,cost"),
 )

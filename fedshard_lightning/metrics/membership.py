@@ -121,6 +121,19 @@ class MembershipAudit:
 
     def pooled_f1(self, pairs: Sequence[tuple[Tensor, Tensor]]) -> float:
         """F1 over the concatenated (members, non-members) logits of several models."""
-        members = torch.cat([m for m, _ in pairs])
-        nonmembers = torch.cat([n for _, n in pairs])
-        return self.attack.f1(members, nonmembers)
+        return self.attack.f1(*_pooled(pairs))
+
+    def scores(self, params: dict[str, Tensor]) -> tuple[float, float]:
+        """``(F1, AUC)`` of the attack on a model, all leaving clients' data vs test data."""
+        logits = self.logits(params)
+        return self.attack.f1(*logits), self.attack.auc(*logits)
+
+    def pooled_scores(self, pairs: Sequence[tuple[Tensor, Tensor]]) -> tuple[float, float]:
+        """``(F1, AUC)`` over the concatenated logits of several models (one per request)."""
+        logits = _pooled(pairs)
+        return self.attack.f1(*logits), self.attack.auc(*logits)
+
+
+def _pooled(pairs: Sequence[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+    """Members and non-members of several models' ``(members, non-members)`` logits, concatenated."""
+    return torch.cat([m for m, _ in pairs]), torch.cat([n for _, n in pairs])

@@ -204,6 +204,23 @@ class MembershipInferenceAttack:
         features, labels = self._balanced(member_logits, nonmember_logits)
         return float(f1_score(labels, self._model.predict(features), pos_label=1, zero_division=0.0))
 
+    def auc(self, member_logits: Tensor | np.ndarray, nonmember_logits: Tensor | np.ndarray) -> float:
+        """ROC AUC of the attack's member probability on the same balanced set as :meth:`f1`.
+
+        F1 depends on how often the attack says "member" at its fitted threshold, so two models
+        the attack cannot tell apart from test data may still differ in F1; the AUC is 0.5 for
+        any attack without power, whatever its threshold.
+
+        Returns:
+            AUC in ``[0, 1]``.
+        """
+        from sklearn.metrics import roc_auc_score
+
+        self._check_fitted()
+        features, labels = self._balanced(member_logits, nonmember_logits)
+        column = list(self._model.classes_).index(1)
+        return float(roc_auc_score(labels, self._model.predict_proba(features)[:, column]))
+
     # ----------------------------------------------------------------------------------------------
 
     def _check_fitted(self) -> None:

@@ -139,6 +139,8 @@ def test_predicted_costs_equal_measured_and_state_is_restored(run_root):
         "M_p",
         "mia_f1_before",
         "mia_f1_after",
+        "mia_auc_before",
+        "mia_auc_after",
         "unlearn_seconds_mean",
         "unlearn_client_steps_mean",
     ):
@@ -196,6 +198,7 @@ def test_wandb_offline_report(run_root):
     summary = json.loads((run / "fairness" / "summary.json").read_text())
     assert summary["clients_unlearned"] == 3 and summary["mia_f1_before"] is not None
     assert summary["mia_f1"] == summary["mia_f1_after"] is not None
+    assert 0.0 <= summary["mia_auc_before"] <= 1.0 and 0.0 <= summary["mia_auc_after"] <= 1.0
 
     # The PNGs are real plots.
     _assert_real_image(run / "fairness" / "cost_distribution.png", 300, 800)

@@ -99,6 +99,26 @@ def test_f1_is_near_chance_on_identical_distributions(classifier):
     assert f1 < 2 / 3 + 0.05
 
 
+def _mann_whitney_auc(pos: np.ndarray, neg: np.ndarray) -> float:
+    """P(score of a member > score of a non-member) + half the ties: the AUC, by counting pairs."""
+    diff = pos[:, None] - neg[None, :]
+    return float((diff > 0).mean() + 0.5 * (diff == 0).mean())
+
+
+@pytest.mark.parametrize("classifier", ["gradient_boosting", "logistic"])
+def test_auc_counts_pairs_and_is_chance_without_power(classifier):
+    attack = MembershipInferenceAttack(classifier=classifier, seed=0)
+    attack.fit(confident_logits(600, seed=1), flat_logits(600, seed=2))
+    members, nonmembers = confident_logits(200, seed=3), flat_logits(300, seed=4)
+    kept = nonmembers[np.sort(np.random.default_rng(0).choice(300, size=200, replace=False))]
+    want = _mann_whitney_auc(attack.predict_proba(members), attack.predict_proba(kept))
+    assert attack.auc(members, nonmembers) == pytest.approx(want, abs=1e-12)  # same balanced subsample
+    assert want > 0.9
+    same = MembershipInferenceAttack(classifier=classifier, seed=0)
+    same.fit(mixed_logits(2000, seed=10), mixed_logits(2000, seed=20))
+    assert abs(same.auc(mixed_logits(2000, seed=30), mixed_logits(2000, seed=40)) - 0.5) < 0.05
+
+
 def test_f1_balances_members_against_the_same_number_of_nonmembers():
     """An attack that says "member" to everything scores 2/3 on a balanced set, whatever the sizes."""
     attack = MembershipInferenceAttack(classifier="logistic").fit(
