@@ -237,7 +237,10 @@ def run_cli(function: Any, args: list[str] | None) -> Any:
     from fedshard_lightning.errors import FedShardError
 
     try:
-        return CLI(function, args=args, as_positional=False, parser_class=PlainHelpParser)
+        module = function.__module__  # "__main__" under python -m: its spec has the real name
+        spec = getattr(sys.modules.get(module), "__spec__", None) if module == "__main__" else None
+        prog = f"python -m {spec.name if spec else module}"  # argparse would say compare.py
+        return CLI(function, args=args, as_positional=False, parser_class=PlainHelpParser, prog=prog)
     except Exception as e:
         # jsonargparse wraps an error raised while instantiating a class of the config (an
         # algorithm with rounds: 0) in a ValueError; the user's error is in the cause chain.
@@ -248,9 +251,3 @@ def run_cli(function: Any, args: list[str] | None) -> Any:
             raise
         sys.stderr.write(f"error: {' '.join(str(cause).split())}\n")
         raise SystemExit(2) from None
-
-
-def _stats(values: list[float]) -> dict[str, float | None]:
-    if not values:
-        return {"mean": None, "max": None, "min": None}
-    return {"mean": sum(values) / len(values), "max": max(values), "min": min(values)}

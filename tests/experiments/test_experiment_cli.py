@@ -48,3 +48,18 @@ def test_config_errors_are_one_line(tmp_path, capsys, module, args, field):
 def test_parse_errors_are_one_line(tmp_path, capsys, module, option):
     err = _one_error_line(capsys, module.main, ["--output_dir", str(tmp_path), option, "abc"])
     assert err == f"error: {option[2:]}: expected a float, got abc"
+
+
+@pytest.mark.parametrize("name", ["compare", "cascade", "poisoning"])
+def test_help_names_the_command_as_it_is_run(name):
+    """``usage: python -m fedshard_lightning.experiments.NAME``, as typed (argparse said NAME.py)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", f"fedshard_lightning.experiments.{name}", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert out.startswith(f"usage: python -m fedshard_lightning.experiments.{name} ["), out[:200]
