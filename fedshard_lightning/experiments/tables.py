@@ -108,8 +108,9 @@ def write_tables(
     head = [
         f"Seeds {meta.get('seeds')} (mean ± sample std over {n_seeds} seeds); unlearned clients (each alone): "
         f"{meta.get('clients')}.",
-        f"Budget: {meta.get('budget')}. M_e in client-steps: all clients, exact predicted costs; "
-        "M_e in seconds: the measured clients; both with the reference method's client alphas.",
+        f"Budget: {meta.get('budget')}. t, cost and test acc after: means over the measured "
+        "requests; cost std and M_e in client-steps: all clients, exact predicted costs; "
+        "M_e in seconds: the measured clients; both M_e with the reference method's client alphas.",
         "",
         "| method | " + " | ".join(h for _, h, _ in COLUMNS) + " |",
         "|---|" + "---|" * len(COLUMNS),
