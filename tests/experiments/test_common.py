@@ -13,7 +13,7 @@ from fedshard_lightning.experiments.common import ExperimentSetting
 from fedshard_lightning.init_args import init_args
 
 
-def _data(seed: int = 0) -> SyntheticDataModule:
+def _data(seed: int = 0, **kw) -> SyntheticDataModule:
     return SyntheticDataModule(
         num_clients=8,
         partition="label_split",
@@ -22,6 +22,7 @@ def _data(seed: int = 0) -> SyntheticDataModule:
         shape=(6,),
         num_classes_=4,
         seed=seed,
+        **kw,
     )
 
 
@@ -78,13 +79,5 @@ def test_holdout_needs_held_out_samples(tmp_path):
     # cascade, whatever happened.
     with pytest.raises(ConfigError, match="holdout_fraction"):
         ExperimentSetting.build(tmp_path, None, None, _data(), 8, 0.75, seed=0, holdout=True)
-    held = SyntheticDataModule(
-        num_clients=8,
-        partition="label_split",
-        num_samples=128,
-        num_test=40,
-        shape=(6,),
-        num_classes_=4,
-        holdout_fraction=0.25,
-    )
+    held = _data(holdout_fraction=0.25)
     assert ExperimentSetting.build(tmp_path, None, None, held, 8, 0.75, seed=0, holdout=True).holdout

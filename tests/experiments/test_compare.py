@@ -160,6 +160,18 @@ def test_poisoning_config_parses(capsys):
         assert f"fedshard_lightning.unlearning.{name}" in out
 
 
+def _tiny_compare(tmp_path, fedavg_rounds: int, **kw):
+    """FedShard (1 round) against FedAvg on the tiny setting, client 1 unlearned, no MIA."""
+    model, data = _setting()
+    algorithms = [
+        FedShard(rounds="fixed", fixed_rounds=1, batch_size=5),
+        FedAvg(rounds=fedavg_rounds, batch_size=5),
+    ]
+    return compare(
+        output_dir=str(tmp_path), algorithms=algorithms, model=model, data=data, clients=[1], mia=False, **kw
+    )
+
+
 def test_match_budget_records_the_matched_rounds(tmp_path):
     """The copy's recorded settings (cache fingerprint, hparams) are the rounds it trains.
 
@@ -188,15 +200,7 @@ def test_match_budget_records_the_matched_rounds(tmp_path):
             assert recorded["unlearn_rounds"] == alg.unlearn_rounds == 10
         assert init_args(template)["init_args"]["rounds"] == template.rounds  # the template is unchanged
 
-    model, data = _setting()
-    res = compare(
-        output_dir=str(tmp_path),
-        algorithms=[FedShard(rounds="fixed", fixed_rounds=1, batch_size=5), FedAvg(rounds=1, batch_size=5)],
-        model=model,
-        data=data,
-        clients=[1],
-        mia=False,
-    )
+    res = _tiny_compare(tmp_path, fedavg_rounds=1)
     fedavg = res["rows"][1]
     assert fedavg["rounds"] > 1
     model, data = _setting()
@@ -214,17 +218,7 @@ def test_match_budget_records_the_matched_rounds(tmp_path):
 
 def test_wandb_table_has_the_spread_over_seeds(tmp_path):
     # The W&B table had only the means under the bare headers: with 2 seeds it read like one run.
-    model, data = _setting()
-    res = compare(
-        output_dir=str(tmp_path),
-        algorithms=[FedShard(rounds="fixed", fixed_rounds=1, batch_size=5), FedAvg(rounds=2, batch_size=5)],
-        model=model,
-        data=data,
-        clients=[1],
-        seeds=[0, 1],
-        mia=False,
-        wandb=True,
-    )
+    res = _tiny_compare(tmp_path, fedavg_rounds=2, seeds=[0, 1], wandb=True)
     tables = list((tmp_path / "wandb").rglob("compare_*.table.json"))
     assert len(tables) == 1, tables
     table = json.loads(tables[0].read_text())
