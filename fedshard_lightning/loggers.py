@@ -34,6 +34,7 @@ from fedshard_lightning.init_args import init_args
 __all__ = [
     "finish_loggers",
     "log_wandb_report",
+    "next_log_step",
     "restore_csv_history",
     "run_hparams",
     "run_loggers",
@@ -96,6 +97,21 @@ def run_name(hparams: dict[str, Any]) -> str:
 def wandb_state(run_dir: Path) -> dict[str, Any]:
     """``RUN/wandb.json``: the W&B run id (and the last logged step) of this run directory."""
     return read_json_object(run_dir / "wandb.json") or {}
+
+
+def next_log_step(run_dir: Path) -> int:
+    """The step after every row the run has logged, so a request's row follows the fit's curves.
+
+    W&B keeps its last step in ``RUN/wandb.json``; without W&B the CSV files (always written:
+    ``logs/metrics.csv`` and ``logs/<command>-N/metrics.csv``) say it, so CSV, TensorBoard and
+    the user's loggers number rows the same way whether W&B is on or off.
+    """
+    last = -1
+    for path in [run_dir / "logs" / "metrics.csv", *sorted(run_dir.glob("logs/*/metrics.csv"))]:
+        for row in _read_csv(path):
+            with contextlib.suppress(TypeError, ValueError):
+                last = max(last, int(float(row.get("step") or "")))
+    return max(int(wandb_state(run_dir).get("step", 0)), last + 1)
 
 
 def _wandb_logger(run_dir: Path, trainer: Any, hparams: dict[str, Any]) -> Logger:

@@ -30,7 +30,7 @@ from fedshard_lightning.deployed import save_model
 from fedshard_lightning.engine.evaluate import Evaluator
 from fedshard_lightning.errors import FedShardError
 from fedshard_lightning.fingerprint import body_fingerprint, readable_body
-from fedshard_lightning.loggers import run_loggers, wandb_state
+from fedshard_lightning.loggers import next_log_step, run_loggers
 from fedshard_lightning.loop import TrainerEvents, launch_fabric, load_run, run_fit
 from fedshard_lightning.module import bind_model, param_dtype
 from fedshard_lightning.requests import apply_request
@@ -295,7 +295,7 @@ class FederatedTrainer:
         run_dir = existing_run_dir(ckpt_path, command)
         self._setup(model, datamodule, run_dir, command)
         load_run(self, run_dir)
-        self.log_step_start = int(wandb_state(run_dir).get("step", 0))
+        self.log_step_start = next_log_step(run_dir)
 
     def test(
         self, model: L.LightningModule, datamodule: FederatedDataModule, ckpt_path: str | None = None

@@ -193,3 +193,19 @@ def test_tensorboard_missing_is_one_line_naming_the_extra(run_root, monkeypatch)
         with pytest.raises(ConfigError, match=rf"the tensorboard package is not available{alone};.*\[tb\]"):
             trainer.fit(model, data)
         assert not list(run_root.iterdir()), "the failed run left no directory behind"
+
+
+def test_requests_are_logged_after_the_fit_without_wandb(run_root):
+    """Without W&B, each request's row still follows the run's last step (CSV and TensorBoard alike).
+
+    Reference: the steps read back from the CSV files with the csv module, not from the package.
+    """
+    trainer, model, data = _objects(run_root)
+    trainer.fit(model, data)
+    run = trainer.run_dir
+    last_fit_step = max(int(float(r["step"])) for r in _rows(run / "logs" / "metrics.csv"))
+    for n, clients in enumerate(([2], [5]), start=1):
+        trainer, model, data = _objects(run_root)
+        trainer.unlearn(model, data, ckpt_path=str(run), clients=clients)
+        steps = [int(float(r["step"])) for r in _rows(run / "logs" / f"unlearn-{n}" / "metrics.csv")]
+        assert steps == [last_fit_step + n], f"request {n}: one row after the run's last step"
