@@ -34,6 +34,7 @@ from fedshard_lightning.init_args import init_args
 __all__ = [
     "finish_loggers",
     "log_wandb_report",
+    "logged_requests",
     "next_log_step",
     "restore_csv_history",
     "run_hparams",
@@ -99,19 +100,38 @@ def wandb_state(run_dir: Path) -> dict[str, Any]:
     return read_json_object(run_dir / "wandb.json") or {}
 
 
+def _csv_rows(run_dir: Path) -> list[dict[str, str]]:
+    """Every row of the run's CSV files (``logs/metrics.csv``, ``logs/<command>-N/metrics.csv``)."""
+    paths = [run_dir / "logs" / "metrics.csv", *sorted(run_dir.glob("logs/*/metrics.csv"))]
+    return [row for path in paths for row in _read_csv(path)]
+
+
+def _ints(rows: list[dict[str, str]], column: str) -> list[int]:
+    out = []
+    for row in rows:
+        with contextlib.suppress(TypeError, ValueError):
+            out.append(int(float(row.get(column) or "")))
+    return out
+
+
 def next_log_step(run_dir: Path) -> int:
     """The step after every row the run has logged, so a request's row follows the fit's curves.
 
-    W&B keeps its last step in ``RUN/wandb.json``; without W&B the CSV files (always written:
-    ``logs/metrics.csv`` and ``logs/<command>-N/metrics.csv``) say it, so CSV, TensorBoard and
-    the user's loggers number rows the same way whether W&B is on or off.
+    W&B keeps its last step in ``RUN/wandb.json``; without W&B the CSV files (always written)
+    say it, so CSV, TensorBoard and the user's loggers number rows the same way either way.
     """
-    last = -1
-    for path in [run_dir / "logs" / "metrics.csv", *sorted(run_dir.glob("logs/*/metrics.csv"))]:
-        for row in _read_csv(path):
-            with contextlib.suppress(TypeError, ValueError):
-                last = max(last, int(float(row.get("step") or "")))
-    return max(int(wandb_state(run_dir).get("step", 0)), last + 1)
+    return max(
+        int(wandb_state(run_dir).get("step", 0)), max(_ints(_csv_rows(run_dir), "step"), default=-1) + 1
+    )
+
+
+def logged_requests(run_dir: Path) -> set[int]:
+    """Numbers of the unlearning requests that have a row in the run's CSV files.
+
+    A process killed between a request's cache commit and its row leaves the request applied
+    but unlogged; the next ``unlearn`` logs it then (:func:`~fedshard_lightning.requests.apply_request`).
+    """
+    return set(_ints(_csv_rows(run_dir), "unlearn/request"))
 
 
 def _wandb_logger(run_dir: Path, trainer: Any, hparams: dict[str, Any]) -> Logger:

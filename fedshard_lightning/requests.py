@@ -16,9 +16,10 @@ from typing import Any
 
 from fedshard_lightning.cache import atomic_write_json
 from fedshard_lightning.callbacks.dispatch import call_hook
+from fedshard_lightning.callbacks.metrics_logger import log_request
 from fedshard_lightning.callbacks.progress import format_seconds
 from fedshard_lightning.errors import UnlearningRequestError
-from fedshard_lightning.loggers import finish_loggers
+from fedshard_lightning.loggers import finish_loggers, logged_requests
 from fedshard_lightning.run_dir import Journal
 from fedshard_lightning.unlearning.base import UnlearnResult
 
@@ -121,6 +122,21 @@ def request_start_line(run_dir: Path, number: int, ids: list[int], predicted: in
     return f"{line} · ETA ~{format_seconds(predicted / rate)} at the fit's {rate:.0f} client-steps/s"
 
 
+def log_lost_requests(trainer: Any) -> int:
+    """Log the rows of committed requests whose process was killed before logging them; how many.
+
+    Each takes the next step, in request order, so the rows stay in the order of the requests.
+    """
+    if not trainer.is_global_zero:
+        return 0
+    logged = logged_requests(trainer.run_dir)
+    lost = [r for r in trainer.store.requests if int(r.get("request", 0)) not in logged]
+    for report in lost:
+        log_request(trainer, report)
+        trainer.log_step_start += 1
+    return len(lost)
+
+
 def apply_request(trainer: Any, clients: Any) -> dict[str, Any]:
     """One request on a loaded run (the caller holds the run lock): check, journal, unlearn, commit, report.
 
@@ -131,7 +147,10 @@ def apply_request(trainer: Any, clients: Any) -> dict[str, Any]:
     alg, store = trainer.algorithm, trainer.store
     ids = validate_clients(clients, alg.num_clients)
     noop, message = check_request(ids, alg.unlearned, store.requests, alg.num_clients)
+    late = log_lost_requests(trainer)
     if noop is not None:
+        if late:
+            finish_loggers(trainer.fabric.loggers, trainer.wandb, trainer.run_dir, trainer.log_step_start)
         trainer._print(message)
         return noop
     number = len(store.requests) + 1

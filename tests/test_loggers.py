@@ -209,3 +209,43 @@ def test_requests_are_logged_after_the_fit_without_wandb(run_root):
         trainer.unlearn(model, data, ckpt_path=str(run), clients=clients)
         steps = [int(float(r["step"])) for r in _rows(run / "logs" / f"unlearn-{n}" / "metrics.csv")]
         assert steps == [last_fit_step + n], f"request {n}: one row after the run's last step"
+
+
+class _Killed(BaseException):
+    """Stands for SIGKILL: nothing after it runs, not even ``finally`` blocks that log."""
+
+
+def test_a_request_killed_after_its_commit_is_logged_by_the_next_unlearn(run_root, monkeypatch):
+    """Killed between the cache commit and its row, a request is applied but was never logged.
+
+    Reference: the request reports in ``unlearning/NNNN/report.json`` and the rows read back with
+    the csv module: one row per request, in request order, at consecutive steps after the fit.
+    """
+    import fedshard_lightning.requests as requests
+
+    trainer, model, data = _objects(run_root)
+    trainer.fit(model, data)
+    run = trainer.run_dir
+    last_fit_step = max(int(float(r["step"])) for r in _rows(run / "logs" / "metrics.csv"))
+    real_hook = requests.call_hook
+
+    def killed_at_unlearn_end(fabric, hook, *args, **kwargs):
+        if hook == "on_unlearn_end":
+            raise _Killed
+        return real_hook(fabric, hook, *args, **kwargs)
+
+    monkeypatch.setattr(requests, "call_hook", killed_at_unlearn_end)
+    trainer, model, data = _objects(run_root)
+    with pytest.raises(_Killed):
+        trainer.unlearn(model, data, ckpt_path=str(run), clients=[2])
+    monkeypatch.setattr(requests, "call_hook", real_hook)
+    assert (run / "unlearning" / "0001" / "report.json").is_file(), "the request was committed"
+
+    for clients in ([2], [5]):  # the repeat is a no-op; a new request follows
+        trainer, model, data = _objects(run_root)
+        trainer.unlearn(model, data, ckpt_path=str(run), clients=clients)
+    rows = [r for path in sorted(run.glob("logs/unlearn-*/metrics.csv")) for r in _rows(path)]
+    reports = [json.loads((run / "unlearning" / f"{n:04d}" / "report.json").read_text()) for n in (1, 2)]
+    assert [int(float(r["unlearn/request"])) for r in rows] == [1, 2], "each request logged once"
+    assert [float(r["unlearn/client_steps"]) for r in rows] == [rep["client_steps"] for rep in reports]
+    assert [int(float(r["step"])) for r in rows] == [last_fit_step + 1, last_fit_step + 2]

@@ -17,7 +17,7 @@ from typing import Any
 
 from fedshard_lightning.callbacks.base import FederatedCallback
 
-__all__ = ["MetricsLogger"]
+__all__ = ["MetricsLogger", "log_request"]
 
 
 class MetricsLogger(FederatedCallback):
@@ -69,9 +69,14 @@ class MetricsLogger(FederatedCallback):
 
     def on_unlearn_end(self, trainer: Any, report: dict[str, Any]) -> None:
         """The request's costs and accuracies, prefixed ``unlearn/``, one step after the run's last."""
-        row = {f"unlearn/{k}": float(v) for k, v in report.items() if isinstance(v, (int, float))}
-        row["unlearn/num_clients_removed"] = float(len(report.get("clients", [])))
-        for key in ("retrained_shards",):
-            if isinstance(report.get(key), (list, tuple)):
-                row[f"unlearn/{key}_count"] = float(len(report[key]))
-        trainer.fabric.log_dict(row, step=int(getattr(trainer, "log_step_start", 0)))
+        log_request(trainer, report)
+
+
+def log_request(trainer: Any, report: dict[str, Any]) -> None:
+    """One request's row (``unlearn/...``) at the trainer's ``log_step_start``."""
+    row = {f"unlearn/{k}": float(v) for k, v in report.items() if isinstance(v, (int, float))}
+    row["unlearn/num_clients_removed"] = float(len(report.get("clients", [])))
+    for key in ("retrained_shards",):
+        if isinstance(report.get(key), (list, tuple)):
+            row[f"unlearn/{key}_count"] = float(len(report[key]))
+    trainer.fabric.log_dict(row, step=int(getattr(trainer, "log_step_start", 0)))
