@@ -29,6 +29,7 @@ from fedshard_lightning.engine import FederatedEngine, Group, LocalSchedule, Rou
 from fedshard_lightning.engine.allocator import configure_process
 from fedshard_lightning.errors import CacheError, ConfigError
 from fedshard_lightning.loggers import finish_loggers, restore_csv_history
+from fedshard_lightning.requests import validate_exclude
 from fedshard_lightning.run_dir import Journal, model_is_stale, recover_reports
 from fedshard_lightning.unlearning.context import AlgorithmContext, LoopEvents
 
@@ -169,7 +170,7 @@ def run_fit(trainer: Any, run_dir: Path, resume: bool, exclude: list[int]) -> di
             trainer.fabric.loggers[0], trainer.csv_history
         )
     if not resumed:
-        alg.reset(alg.engine.module_params(), exclude=exclude)
+        alg.reset(alg.engine.module_params(), exclude=validate_exclude(exclude, alg.num_clients))
         trainer.store.requests, trainer.store.complete_committed = [], False
     call_hook(trainer.fabric, "on_fit_start", trainer)
     try:

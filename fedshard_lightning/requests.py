@@ -23,32 +23,55 @@ from fedshard_lightning.loggers import finish_loggers, logged_requests
 from fedshard_lightning.run_dir import Journal
 from fedshard_lightning.unlearning.base import UnlearnResult
 
-__all__ = ["apply_request", "check_request", "request_report", "request_start_line", "validate_clients"]
+__all__ = [
+    "apply_request",
+    "check_request",
+    "request_report",
+    "request_start_line",
+    "validate_clients",
+    "validate_exclude",
+]
 
 
-def validate_clients(clients: Any, num_clients: int) -> list[int]:
+def validate_clients(clients: Any, num_clients: int, field: str = "clients") -> list[int]:
     """Sorted client ids (one id alone: ``--clients 7``), refused in one line when malformed, unknown or repeated."""
     if isinstance(clients, int) and not isinstance(clients, bool):
         clients = [clients]
     if isinstance(clients, (int, str)) or clients is None:
         raise UnlearningRequestError(
-            f"clients={clients!r}: give a list of client ids, e.g. --clients '[3, 17]'"
+            f"{field}={clients!r}: give a list of client ids, e.g. --{field} '[3, 17]'"
         )
     ids = list(clients)
     if not ids:
-        raise UnlearningRequestError("clients=[]: name at least one client id to unlearn")
+        raise UnlearningRequestError(f"{field}=[]: name at least one client id to unlearn")
     k = num_clients
     for c in ids:
         if isinstance(c, bool) or not isinstance(c, int):
             raise UnlearningRequestError(
-                f"clients: {c!r} is not an integer client id (valid ids: 0..{k - 1})"
+                f"{field}: {c!r} is not an integer client id (valid ids: 0..{k - 1})"
             )
         if not 0 <= c < k:
-            raise UnlearningRequestError(f"clients: unknown client id {c} (valid ids: 0..{k - 1})")
+            raise UnlearningRequestError(f"{field}: unknown client id {c} (valid ids: 0..{k - 1})")
     dups = sorted(c for c, n in Counter(ids).items() if n > 1)  # linear: K may be thousands
     if dups:
-        raise UnlearningRequestError(f"clients: duplicate ids {dups}; name each client once")
+        raise UnlearningRequestError(f"{field}: duplicate ids {dups}; name each client once")
     return sorted(ids)
+
+
+def validate_exclude(clients: Any, num_clients: int) -> list[int]:
+    """``fit --exclude_clients``: the ids ``unlearn`` would take, and at least one client left to train.
+
+    An unknown id had been ignored (the fit trained every client) and excluding all of them had
+    trained nobody, both with exit status 0.
+    """
+    if not clients:
+        return []
+    ids = validate_clients(clients, num_clients, field="exclude_clients")
+    if len(ids) == num_clients:
+        raise UnlearningRequestError(
+            f"exclude_clients: excludes every client ({num_clients}); leave at least one to train"
+        )
+    return ids
 
 
 def check_request(
