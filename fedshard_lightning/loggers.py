@@ -173,8 +173,11 @@ def _wandb_logger(run_dir: Path, trainer: Any, hparams: dict[str, Any]) -> Logge
     return logger
 
 
-def tensorboard_logger(run_dir: Path, version: str) -> Logger:
+def tensorboard_logger(run_dir: Path, version: str, purge_step: int | None = None) -> Logger:
     """A TensorBoard logger writing ``RUN/tensorboard/<version>``, whose hyper-parameters need no fake metric.
+
+    ``purge_step``: a resumed fit hides the points its interrupted run logged from that step on
+    (the stage it had not committed, trained again), as the CSV drops those rows.
 
     Raises:
         ConfigError: tensorboard is not installed (tensorboardX alone cannot write the
@@ -202,7 +205,12 @@ def tensorboard_logger(run_dir: Path, version: str) -> Logger:
 
     # flush_secs: a killed run keeps its curves (SummaryWriter's default waits two minutes).
     return RunTensorBoardLogger(
-        root_dir=str(run_dir), name="tensorboard", version=version, default_hp_metric=False, flush_secs=5
+        root_dir=str(run_dir),
+        name="tensorboard",
+        version=version,
+        default_hp_metric=False,
+        flush_secs=5,
+        purge_step=purge_step,
     )
 
 
@@ -229,7 +237,8 @@ def run_loggers(trainer: Any, run_dir: Path, command: str, resume: bool = False)
     if trainer.wandb:
         loggers.append(_wandb_logger(run_dir, trainer, hparams))
     if getattr(trainer, "tensorboard", False):
-        loggers.append(tensorboard_logger(run_dir, version or "fit"))
+        purge = _resume_step(trainer.csv_history) if resume else None
+        loggers.append(tensorboard_logger(run_dir, version or "fit", purge))
     loggers += trainer.user_loggers
     for logger in loggers:
         with contextlib.suppress(NotImplementedError):  # Fabric's CSVLogger: config.yaml holds them
@@ -245,6 +254,16 @@ def _read_csv(path: Path) -> list[dict[str, str]]:
         return []
 
 
+def _resume_step(rows: list[dict[str, str]]) -> int:
+    """The step a resumed fit logs from: after the last stage summary (a committed stage), else 0."""
+    ends = [
+        int(float(r["step"]))
+        for r in rows
+        if any(v not in ("", None) for k, v in r.items() if k.startswith("stage/"))
+    ]
+    return max(ends, default=-1) + 1
+
+
 def restore_csv_history(logger: Logger, rows: list[dict[str, str]]) -> tuple[int, int]:
     """Write back the rows of the stages an interrupted fit committed; (next step, rounds kept).
 
@@ -254,14 +273,9 @@ def restore_csv_history(logger: Logger, rows: list[dict[str, str]]) -> tuple[int
     with warnings.catch_warnings():  # "previous log files will be deleted": we write them back
         warnings.filterwarnings("ignore", message="Experiment logs directory")
         _ = logger.experiment
-    ends = [
-        int(float(r["step"]))
-        for r in rows
-        if any(v not in ("", None) for k, v in r.items() if k.startswith("stage/"))
-    ]
-    if not ends:
+    last = _resume_step(rows) - 1
+    if last < 0:
         return 0, 0
-    last = max(ends)
     kept = [r for r in rows if r.get("step") not in ("", None) and int(float(r["step"])) <= last]
     rounds = 0
     for r in kept:

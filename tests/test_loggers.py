@@ -249,3 +249,23 @@ def test_a_request_killed_after_its_commit_is_logged_by_the_next_unlearn(run_roo
     assert [int(float(r["unlearn/request"])) for r in rows] == [1, 2], "each request logged once"
     assert [float(r["unlearn/client_steps"]) for r in rows] == [rep["client_steps"] for rep in reports]
     assert [int(float(r["step"])) for r in rows] == [last_fit_step + 1, last_fit_step + 2]
+
+
+def test_tensorboard_of_a_fit_killed_at_stage_3_and_resumed_has_one_point_per_round(run_root):
+    """The killed fit's points of the stage it did not commit are dropped, as in the CSV.
+
+    Reference: the CSV's steps (read with the csv module) against TensorBoard's own reader.
+    """
+    pytest.importorskip("tensorboard")
+    from fedshard_lightning.callbacks import FederatedCallback
+
+    kill = type("Kill", (_KillAt, FederatedCallback), {})(3)
+    trainer, model, data = _objects(run_root, callbacks=[kill], tensorboard=True)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit(model, data)
+    run = trainer.run_dir
+    trainer, model, data = _objects(run_root, tensorboard=True)
+    trainer.fit(model, data, ckpt_path=str(run))
+    steps = [int(float(r["step"])) for r in _rows(run / "logs" / "metrics.csv") if r["train_loss"]]
+    _, scalars = _tensorboard_events(run / "tensorboard" / "fit")
+    assert [s for s, _ in scalars["train_loss"]] == steps, "each round once, as in the CSV"
