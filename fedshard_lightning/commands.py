@@ -18,6 +18,7 @@ from torch import Tensor
 from fedshard_lightning.callbacks.dispatch import call_hook
 from fedshard_lightning.deployed import load_model
 from fedshard_lightning.errors import CacheError
+from fedshard_lightning.loggers import finish_loggers, log_result
 from fedshard_lightning.run_dir import existing_run_dir, run_lock
 from fedshard_lightning.tensor_schema import schema_of
 
@@ -38,7 +39,9 @@ def run_test(trainer: Any, model: Any, datamodule: Any, ckpt_path: str | None) -
         with run_lock(run_dir):
             trainer._load_run(model, datamodule, str(run_dir), "test")
             trainer.cache.verify()  # every blob of the version it reports: those the load did not read
-            return _test_metrics(trainer, trainer.algorithm.current_params(), weights)
+            metrics = _test_metrics(trainer, trainer.algorithm.current_params(), weights)
+            log_result(trainer, {f"test/{k}": metrics[k] for k in ("test_accuracy", "test_loss")})
+            return metrics
     if not lone_file and not weights.is_file():
         raise CacheError(
             f"{run_dir} has no committed FLCache (cache/CURRENT) and no model file; was fit interrupted "
@@ -48,7 +51,9 @@ def run_test(trainer: Any, model: Any, datamodule: Any, ckpt_path: str | None) -
     trainer.module.load_state_dict(
         load_model(weights, schema_of(trainer.module.state_dict()), trainer.device)
     )
-    return _test_metrics(trainer, trainer.algorithm.engine.module_params(), weights)
+    metrics = _test_metrics(trainer, trainer.algorithm.engine.module_params(), weights)
+    finish_loggers(trainer.fabric.loggers, trainer.wandb)  # a lone model file: its folder is no run
+    return metrics
 
 
 def _test_metrics(trainer: Any, params: dict[str, Tensor], weights: Path) -> dict[str, Any]:
@@ -74,6 +79,9 @@ def run_audit(trainer: Any, tolerance: float) -> dict[str, Any]:
         result["lines"].append(f"likely cause: {cause}")
     for line in result["lines"]:
         trainer._print(line)
+    log_result(
+        trainer, {"audit/passed": float(result["passed"]), "audit/max_abs_diff": result["max_abs_diff"]}
+    )
     if not result["passed"]:
         raise SystemExit(1)
     return result

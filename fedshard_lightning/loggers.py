@@ -33,6 +33,7 @@ from fedshard_lightning.init_args import init_args
 
 __all__ = [
     "finish_loggers",
+    "log_result",
     "log_wandb_report",
     "logged_requests",
     "next_log_step",
@@ -284,6 +285,18 @@ def restore_csv_history(logger: Logger, rows: list[dict[str, str]]) -> tuple[int
         logger.log_metrics(values, step=int(float(r["step"])))
     logger.save()
     return last + 1, rounds
+
+
+def log_result(trainer: Any, row: dict[str, float]) -> None:
+    """``audit`` / ``test`` on a run: one row at the run's next step in every logger, then close them.
+
+    A read-only run (which ``test`` must be able to read) gets no row: nothing is written there.
+    """
+    step = trainer.log_step_start
+    if os.access(trainer.run_dir, os.W_OK):
+        trainer.fabric.log_dict(row, step=step)
+        step += 1
+    finish_loggers(trainer.fabric.loggers, trainer.wandb, trainer.run_dir, step)
 
 
 def finish_loggers(

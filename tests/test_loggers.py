@@ -269,3 +269,35 @@ def test_tensorboard_of_a_fit_killed_at_stage_3_and_resumed_has_one_point_per_ro
     steps = [int(float(r["step"])) for r in _rows(run / "logs" / "metrics.csv") if r["train_loss"]]
     _, scalars = _tensorboard_events(run / "tensorboard" / "fit")
     assert [s for s, _ in scalars["train_loss"]] == steps, "each round once, as in the CSV"
+
+
+def test_audit_and_test_log_their_result_after_the_run_s_last_step(run_root):
+    """``audit`` and ``test`` on a run each add one row (CSV, W&B) and close the W&B run.
+
+    Reference: the rows read back with the csv module and from W&B's own offline files, and the
+    accuracy and verdict the commands return.
+    """
+    import wandb
+
+    trainer, model, data = _objects(run_root, wandb=True)
+    trainer.fit(model, data)
+    run = trainer.run_dir
+    trainer, model, data = _objects(run_root, wandb=True)
+    trainer.unlearn(model, data, ckpt_path=str(run), clients=[2])
+    last = max(int(float(r["step"])) for r in _rows(run / "logs" / "unlearn-1" / "metrics.csv"))
+    trainer, model, data = _objects(run_root, wandb=True)
+    verdict = trainer.audit(model, data, str(run))
+    assert wandb.run is None, "audit left its W&B run open"
+    trainer, model, data = _objects(run_root, wandb=True)
+    metrics = trainer.test(model, data, str(run))
+    assert wandb.run is None, "test left its W&B run open"
+
+    (audit_row,) = _rows(run / "logs" / "audit-1" / "metrics.csv")
+    (test_row,) = _rows(run / "logs" / "test-1" / "metrics.csv")
+    assert int(float(audit_row["step"])) == last + 1 and int(float(test_row["step"])) == last + 2
+    assert float(audit_row["audit/passed"]) == 1.0 and verdict["passed"]
+    assert float(audit_row["audit/max_abs_diff"]) == verdict["max_abs_diff"] == 0.0
+    assert float(test_row["test/test_accuracy"]) == pytest.approx(metrics["test_accuracy"])
+    _, history, _ = _wandb_items(run)
+    assert any(h.get("audit/passed") == 1.0 for h in history)
+    assert any(h.get("test/test_accuracy") == pytest.approx(metrics["test_accuracy"]) for h in history)
