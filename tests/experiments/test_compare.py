@@ -187,7 +187,7 @@ def test_match_budget_records_the_matched_rounds(tmp_path):
     for template in (
         FedAvg(rounds=3),
         FATS(rounds=3, sample_size=5),
-        FedEraser(rounds=3, delta_t=2),
+        FedEraser(rounds=3, delta_t=2, calibration_ratio=1.0),  # no "saves nothing" warning
         FedRecover(rounds=3, warmup_rounds=1),
         RapidRetrain(rounds=10, unlearn_rounds=5),
         RapidRetrain(rounds=10),
