@@ -25,6 +25,8 @@ __all__ = ["cache_main"]
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
+        if "required: {gc,verify}" in message:
+            message = "name a subcommand, gc or verify (each has its own --help)"
         raise ConfigError(f"cache: {message}")
 
 
@@ -33,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m fedshard_lightning cache",
         description="Maintenance of a run's FLCache without a config.",
     )
-    sub = ap.add_subparsers(dest="command", required=True)
+    sub = ap.add_subparsers(dest="command", required=True, metavar="{gc,verify}")
     gc = sub.add_parser("gc", help="drop the models of old versions; keep every manifest")
     gc.add_argument("--ckpt_path", required=True, help="run directory created by fit")
     gc.add_argument("--keep", required=True, type=int, help="newest versions whose models stay (>= 1)")

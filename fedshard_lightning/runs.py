@@ -92,9 +92,14 @@ def format_runs(rows: list[dict[str, Any]]) -> str:
     return "\n".join("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in table)
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(f"runs: {message}; runs takes only --root (see --help)")
+
+
 def runs_main(argv: list[str]) -> None:
     """``runs [--root runs]``: print the listing."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="python -m fedshard_lightning runs", description="List the run directories under a root."
     )
     parser.add_argument("--root", default="runs", help="folder holding the runs (default: runs)")

@@ -58,3 +58,13 @@ def test_runs_on_a_missing_root_and_an_empty_one(tmp_path, capsys):
     )
     main(["runs", "--root", str(tmp_path)])  # a folder without runs: said, exit status 0
     assert capsys.readouterr().out == f"no runs under {tmp_path}\n"
+
+
+@pytest.mark.parametrize("args", [["--print_config"], ["--root"], ["--roots", "x"]])
+def test_runs_bad_arguments_are_one_line(args, capsys):
+    """argparse printed its usage and then the error: two lines; now one, exit 2."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["runs", *args])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: runs: ") and err.count("\n") == 1 and "--root" in err, err

@@ -148,6 +148,7 @@ def test_cli_gc_and_its_one_line_errors(tmp_path: Path) -> None:
         (["cache", "gc", "--ckpt_path", str(run)], "--keep"),
         (["cache", "gc", "--ckpt_path", str(run), "--keep", "two"], "invalid int"),
         (["cache", "compact", "--ckpt_path", str(run)], "invalid choice"),
+        (["cache"], "cache: name a subcommand, gc or verify"),
     ]:
         code, out, err = cli(args)
         lines = [line for line in err.splitlines() if line.strip()]
