@@ -183,11 +183,8 @@ class FederatedEngine:
 
     # -- local training --------------------------------------------------------------------------
     def _run_local(self, state: dict[str, Tensor], rows: Tensor, batch: ClientBatch) -> LocalResult:
-        if self._mode is None:
-            self._mode = self._probe({k: v.index_select(0, rows) for k, v in state.items()}, batch)
-        if self._unchecked:
-            self._unchecked = False
-            check_agreement(self.local, {k: v.index_select(0, rows) for k, v in state.items()}, batch)
+        if self._mode is None or self._unchecked:
+            self._decide_on({k: v.index_select(0, rows) for k, v in state.items()}, batch)
         if self._mode == "stacked":
             try:
                 res = self._run_stacked(state, rows, batch)
@@ -260,11 +257,16 @@ class FederatedEngine:
         """``vectorize: auto``: decide on what the general path's first round would time (``always``: check it)."""
         if self._mode is None or self._unchecked:
             sample = first_round_sample(init, groups, stage, self.participants, self.sizes, self.chunk)
-            if sample is not None and self._mode is None:
-                self._mode = self._probe(*sample)
-            elif sample is not None:
-                self._unchecked = False
-                check_agreement(self.local, *sample)
+            if sample is not None:
+                self._decide_on(*sample)
+
+    def _decide_on(self, start: dict[str, Tensor], batch: ClientBatch) -> None:
+        """``auto``: probe the two paths on these clients; ``always``: check that they agree."""
+        if self._mode is None:
+            self._mode = self._probe(start, batch)
+        elif self._unchecked:
+            check_agreement(self.local, start, batch)
+        self._unchecked = False
 
     def train_stages(
         self,

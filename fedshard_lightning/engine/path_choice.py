@@ -150,14 +150,8 @@ def choose_path(local: LocalTrainer, start: dict[str, Tensor], batch: ClientBatc
     if signature in _DECIDED:
         mode, reason = _DECIDED[signature]
         return mode, f"{reason}; kept from an earlier fit of this model in this process"
-    key = hashlib.sha256(signature.encode()).hexdigest()[:24]
-    path = _store()
-    entry = _read(path).get(key) if path is not None else None
-    if (
-        isinstance(entry, dict)
-        and entry.get("signature") == signature
-        and entry.get("mode") in ("stacked", "loop")
-    ):
+    key, path, entry = _kept(signature, ("stacked", "loop"))
+    if entry is not None:
         _DECIDED[signature] = (entry["mode"], str(entry.get("reason", "vectorize: auto")))
         return entry["mode"], f"{entry.get('reason')} ({entry.get('decided')}, kept in {path})"
     mode, reason = time_paths(local, start, batch)
@@ -181,20 +175,15 @@ def check_agreement(local: LocalTrainer, start: dict[str, Tensor], batch: Client
     signature = f"always|{path_signature(local, batch)}"
     if signature in _AGREED:
         return
-    key = hashlib.sha256(signature.encode()).hexdigest()[:24]
-    path = _store()
-    entry = _read(path).get(key) if path is not None else None
-    if isinstance(entry, dict) and entry.get("signature") == signature and entry.get("mode") == "agrees":
+    key, path, entry = _kept(signature, ("agrees",))
+    if entry is not None:
         _AGREED.add(signature)
         return
-    k = min(len(batch.clients), 8)
     try:
-        warm = _two_steps(local, start, batch, {"stacked": k, "loop": min(k, 2)})
+        off, tolerance = _compare(local, start, batch)
     except NotVectorizable:
         return  # the fit falls back to the loop itself, and says why
-    first = next(iter(start.values()))
-    off = disagreement(warm["stacked"], warm["loop"])
-    if not off <= agreement_tolerance(first.dtype, first.device):
+    if not off <= tolerance:
         raise ConfigError(
             f"trainer.vectorize=always: the stacked clients' losses differ from the per-client loop's by "
             f"{off:.1e} (relative) in two local steps, so training_step does something vmap does not "
@@ -203,6 +192,28 @@ def check_agreement(local: LocalTrainer, start: dict[str, Tensor], batch: Client
     _AGREED.add(signature)
     if path is not None:
         _persist(path, key, signature, "agrees", f"vectorize: always; losses agree within {off:.1e}")
+
+
+def _kept(signature: str, modes: tuple[str, ...]) -> tuple[str, Path | None, dict | None]:
+    """``(key, file, entry)``: the decision kept on disk for ``signature`` if its mode is one of ``modes``."""
+    key = hashlib.sha256(signature.encode()).hexdigest()[:24]
+    path = _store()
+    entry = _read(path).get(key) if path is not None else None
+    ok = isinstance(entry, dict) and entry.get("signature") == signature and entry.get("mode") in modes
+    return key, path, entry if ok else None
+
+
+def _sizes(batch: ClientBatch) -> dict[str, int]:
+    """Clients each path runs in the probe: up to 8 stacked, 2 on the loop (linear in clients)."""
+    k = min(len(batch.clients), 8)
+    return {"stacked": k, "loop": min(k, 2)}
+
+
+def _compare(local: LocalTrainer, start: dict[str, Tensor], batch: ClientBatch) -> tuple[float, float]:
+    """``(disagreement, tolerance)`` of the two paths in two local steps; raises ``NotVectorizable``."""
+    warm = _two_steps(local, start, batch, _sizes(batch))
+    first = next(iter(start.values()))
+    return disagreement(warm["stacked"], warm["loop"]), agreement_tolerance(first.dtype, first.device)
 
 
 def _runs(
@@ -282,15 +293,12 @@ def time_paths(local: LocalTrainer, start: dict[str, Tensor], batch: ClientBatch
         start: Starting state of the batch's clients, one row per client.
         batch: The first chunk of the first round.
     """
-    k = min(len(batch.clients), 8)
-    sizes = {"stacked": k, "loop": min(k, 2)}
+    sizes = _sizes(batch)
     try:  # warm-up (builds the kernels); the clients both ran must agree
-        warm = _two_steps(local, start, batch, sizes)
+        off, tolerance = _compare(local, start, batch)
     except NotVectorizable as err:
         return "loop", f"vectorize: auto; {err}; {err.fallback}"
-    first = next(iter(start.values()))
-    off = disagreement(warm["stacked"], warm["loop"])
-    if not off <= agreement_tolerance(first.dtype, first.device):
+    if not off <= tolerance:
         return "loop", (
             f"vectorize: auto; the stacked clients' losses differ from the per-client loop's by {off:.1e} "
             "(relative) in two local steps: training_step does something vmap does not batch exactly"

@@ -125,13 +125,11 @@ class MembershipAudit:
 
     def scores(self, params: dict[str, Tensor]) -> tuple[float, float]:
         """``(F1, AUC)`` of the attack on a model, all leaving clients' data vs test data."""
-        logits = self.logits(params)
-        return self.attack.f1(*logits), self.attack.auc(*logits)
+        return self.attack.scores(*self.logits(params))
 
     def pooled_scores(self, pairs: Sequence[tuple[Tensor, Tensor]]) -> tuple[float, float]:
         """``(F1, AUC)`` over the concatenated logits of several models (one per request)."""
-        logits = _pooled(pairs)
-        return self.attack.f1(*logits), self.attack.auc(*logits)
+        return self.attack.scores(*_pooled(pairs))
 
 
 def _pooled(pairs: Sequence[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:

@@ -198,11 +198,7 @@ class MembershipInferenceAttack:
         Returns:
             F1 score in ``[0, 1]``; 0 when the attack predicts no member.
         """
-        from sklearn.metrics import f1_score
-
-        self._check_fitted()
-        features, labels = self._balanced(member_logits, nonmember_logits)
-        return float(f1_score(labels, self._model.predict(features), pos_label=1, zero_division=0.0))
+        return self._f1(*self._balanced_fitted(member_logits, nonmember_logits))
 
     def auc(self, member_logits: Tensor | np.ndarray, nonmember_logits: Tensor | np.ndarray) -> float:
         """ROC AUC of the attack's member probability on the same balanced set as :meth:`f1`.
@@ -214,14 +210,31 @@ class MembershipInferenceAttack:
         Returns:
             AUC in ``[0, 1]``.
         """
-        from sklearn.metrics import roc_auc_score
+        return self._auc(*self._balanced_fitted(member_logits, nonmember_logits))
 
-        self._check_fitted()
-        features, labels = self._balanced(member_logits, nonmember_logits)
-        column = list(self._model.classes_).index(1)
-        return float(roc_auc_score(labels, self._model.predict_proba(features)[:, column]))
+    def scores(
+        self, member_logits: Tensor | np.ndarray, nonmember_logits: Tensor | np.ndarray
+    ) -> tuple[float, float]:
+        """``(F1, AUC)`` on one balanced set: the subsample and its features are made once."""
+        features, labels = self._balanced_fitted(member_logits, nonmember_logits)
+        return self._f1(features, labels), self._auc(features, labels)
 
     # ----------------------------------------------------------------------------------------------
+
+    def _balanced_fitted(self, member_logits: Any, nonmember_logits: Any) -> tuple[np.ndarray, np.ndarray]:
+        self._check_fitted()
+        return self._balanced(member_logits, nonmember_logits)
+
+    def _f1(self, features: np.ndarray, labels: np.ndarray) -> float:
+        from sklearn.metrics import f1_score
+
+        return float(f1_score(labels, self._model.predict(features), pos_label=1, zero_division=0.0))
+
+    def _auc(self, features: np.ndarray, labels: np.ndarray) -> float:
+        from sklearn.metrics import roc_auc_score
+
+        column = list(self._model.classes_).index(1)
+        return float(roc_auc_score(labels, self._model.predict_proba(features)[:, column]))
 
     def _check_fitted(self) -> None:
         if self._num_classes is None:
