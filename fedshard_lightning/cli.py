@@ -210,6 +210,9 @@ def parse_reason(message: str) -> str:
     unknown = re.search(r"Option '([^']+)' is not accepted", message)
     bad_class = re.search(r"Problem with given class_path '([^']+)':\s*\n\s*(.+)", message)
     union = re.search(r"Subtypes: \[(.*?)\]\s*Errors:.*Given value: ([^\n]*)", message, re.S)
+    required = re.search(r"the following arguments are required: (.+)", message)
+    if required:
+        return _required(required.group(1))
     if expected:
         kind, value = expected.groups()
         finite = (
@@ -229,6 +232,19 @@ def parse_reason(message: str) -> str:
     else:
         return message
     return f"{field}: {reason}" if field else reason
+
+
+def _required(names: str) -> str:
+    """``unlearn.ckpt_path, unlearn.clients`` as ``unlearn: give --ckpt_path RUN_DIR and --clients``."""
+    keys = [n.strip() for n in names.split(",") if n.strip()]
+    command = keys[0].split(".", 1)[0] if "." in keys[0] else ""
+    flags = []
+    for key in keys:
+        flag = key.split(".", 1)[1] if command and key.startswith(f"{command}.") else key
+        flags.append(
+            f"--{flag} RUN_DIR (the folder that fit created)" if flag == "ckpt_path" else f"--{flag}"
+        )
+    return f"{command + ': ' if command else ''}give {' and '.join(flags)}; {'they are' if len(flags) > 1 else 'it is'} required"
 
 
 class _Parser(LightningArgumentParser):

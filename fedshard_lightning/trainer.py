@@ -298,7 +298,7 @@ class FederatedTrainer:
         self.log_step_start = next_log_step(run_dir)
 
     def test(
-        self, model: L.LightningModule, datamodule: FederatedDataModule, ckpt_path: str | None = None
+        self, model: L.LightningModule, datamodule: FederatedDataModule, ckpt_path: str
     ) -> dict[str, Any]:
         """Evaluate a finished run's current model on the test set.
 

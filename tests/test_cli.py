@@ -271,6 +271,31 @@ def test_parse_reason_turns_jsonargparse_dumps_into_field_and_reason(message, wa
     assert parse_reason(message) == want
 
 
+@pytest.mark.parametrize(
+    ("args", "want"),
+    [
+        (["test"], "error: test: give --ckpt_path RUN_DIR (the folder that fit created); it is required"),
+        (
+            ["unlearn"],
+            "error: unlearn: give --ckpt_path RUN_DIR (the folder that fit created) and --clients; "
+            "they are required",
+        ),
+        (["audit"], "error: audit: give --ckpt_path RUN_DIR (the folder that fit created); it is required"),
+    ],
+)
+def test_a_missing_required_argument_names_the_flag_and_what_to_give(args, want, capsys):
+    code, _, err = _run(args, capsys)
+    assert code == 2
+    assert err.strip().splitlines() == [want]
+
+
+def test_test_help_shows_ckpt_path_as_required(capsys):
+    code, out, _ = _run(["test", "--help"], capsys)
+    assert code == 0
+    help_of = out.split("\n  --ckpt_path CKPT_PATH", 1)[1].split("\n  --", 1)[0]
+    assert "required" in help_of and "default: null" not in help_of, help_of
+
+
 def test_plain_text_removes_rst_roles():
     from fedshard_lightning.cli import plain_text
 
