@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 from fedshard_lightning.callbacks.base import FederatedCallback
+from fedshard_lightning.callbacks.line_fit import fit_line
 
 __all__ = ["ProgressBar", "format_seconds"]
 
@@ -96,13 +97,29 @@ class ProgressBar(FederatedCallback):
         later = max((self._planned or self._stage) - self._stage, 0)
         return stage_left + later * per_stage
 
-    def _line(self) -> str:
+    def _parts(self, status: str = "", elapsed: bool = False) -> list[tuple[str, int]]:
+        """The line's parts in order, ranked by what a narrow terminal leaves out first (highest)."""
         eta = self.eta()
-        return (
-            f"{self._stage_label()} · round {self._round}/{self._rounds} · {self._groups} group(s), "
-            f"{self._clients} clients · {self._rate():.0f} client-steps/s · "
-            f"ETA {format_seconds(eta) if eta is not None else '?'}"
-        )
+        return [
+            (self._stage_label(), 0),
+            (f"round {self._round}/{self._rounds}", 0),
+            (f"{self._groups} group(s), {self._clients} clients", 4),
+            (f"{self._rate():.0f} client-steps/s", 3),
+            (status, 1),
+            (f"ETA {format_seconds(eta) if eta is not None else '?'}", 0),
+            (f"elapsed {format_seconds(time.perf_counter() - self._t0)}" if elapsed else "", 2),
+        ]
+
+    def _line(self) -> str:
+        return " · ".join(text for text, _ in self._parts() if text)
+
+    def live_line(self, width: int, status: str = "") -> str:
+        """The terminal's line, with the loss and the elapsed time, fitted to ``width`` columns."""
+        return fit_line(self._parts(status, elapsed=True), width - 1)
+
+    def _show(self, status: str = "", **fields: Any) -> None:
+        width = getattr(getattr(self._progress, "console", None), "width", 80)
+        self._progress.update(self._task, description=self.live_line(width, status), **fields)
 
     # -- hooks -----------------------------------------------------------------------------------
     def on_fit_start(self, trainer: Any) -> None:
@@ -124,18 +141,14 @@ class ProgressBar(FederatedCallback):
             return
         if self._progress is None:
             from rich.console import Console
-            from rich.progress import Progress, TextColumn, TimeElapsedColumn
+            from rich.progress import Progress, TextColumn
 
             self._progress = Progress(  # no bar: "round r/T" is the bar, the line stays readable
-                TextColumn("{task.description}"),
-                TextColumn("{task.fields[status]}"),
-                TimeElapsedColumn(),
-                console=Console(stderr=True),
-                transient=False,
+                TextColumn("{task.description}"), console=Console(stderr=True), transient=False
             )
             self._progress.start()
-            self._task = self._progress.add_task("", total=None, status="")
-        self._progress.update(self._task, description=self._line(), total=self._rounds, completed=0)
+            self._task = self._progress.add_task("", total=None)
+        self._show(total=self._rounds, completed=0)
 
     def on_round_end(self, trainer: Any, info: Any, metrics: dict[str, float]) -> None:
         """Advance: the round, the throughput and the ETA, with the loss and accuracy."""
@@ -159,7 +172,7 @@ class ProgressBar(FederatedCallback):
         status = f"loss {metrics.get('train_loss', float('nan')):.3f}" + (
             f" acc {acc:.3f}" if acc is not None else ""
         )
-        self._progress.update(self._task, description=self._line(), completed=self._round, status=status)
+        self._show(status, completed=self._round)
 
     def on_stage_end(self, trainer: Any, stage: int, metrics: dict[str, float]) -> None:
         """Count the stage; off a terminal print its line (with elapsed time and ETA)."""

@@ -16,12 +16,16 @@ import time
 from typing import Any
 
 from fedshard_lightning.callbacks.base import FederatedCallback
+from fedshard_lightning.callbacks.line_fit import fit_line
 from fedshard_lightning.callbacks.progress import format_seconds
 
 __all__ = ["TaskProgress", "TaskProgressCallback"]
 
 #: Seconds between two plain lines of a task that reports many small pieces of work.
 PLAIN_EVERY_S = 30.0
+
+#: Columns of the live line's bar.
+BAR_WIDTH = 20
 
 
 class TaskProgress:
@@ -58,7 +62,10 @@ class TaskProgress:
             from rich.progress import BarColumn, Progress, TextColumn
 
             self._progress = Progress(
-                TextColumn("{task.description}"), BarColumn(), console=Console(stderr=True), transient=True
+                TextColumn("{task.description}"),
+                BarColumn(bar_width=BAR_WIDTH),
+                console=Console(stderr=True),
+                transient=True,
             )
             self._progress.start()
             self._task = self._progress.add_task(task, total=self.total or items)
@@ -81,16 +88,27 @@ class TaskProgress:
             rate = self.done / elapsed
         return max(self.total - self.done, 0.0) / rate
 
-    def line(self, note: str) -> str:
-        """``task: note · done/total client-steps · rate · elapsed · ETA``."""
+    def _parts(self, note: str) -> list[tuple[str, int]]:
+        """The line's parts in order, ranked by what a narrow terminal leaves out first (highest)."""
         elapsed = time.perf_counter() - self.t0
         rate = self.done / elapsed if elapsed > 0 else 0.0
         total = f"/{self.total:.0f}" if self.total else ""
         eta = self.eta()
-        return (
-            f"{self.task}: {note} · {self.done:.0f}{total} client-steps · {rate:.0f} client-steps/s · "
-            f"elapsed {format_seconds(elapsed)} · ETA {format_seconds(eta) if eta is not None else '?'}"
-        )
+        return [
+            (f"{self.task}: {note}", 0),
+            (f"{self.done:.0f}{total} client-steps", 1),
+            (f"{rate:.0f} client-steps/s", 3),
+            (f"elapsed {format_seconds(elapsed)}", 2),
+            (f"ETA {format_seconds(eta) if eta is not None else '?'}", 0),
+        ]
+
+    def line(self, note: str) -> str:
+        """``task: note · done/total client-steps · rate · elapsed · ETA``."""
+        return " · ".join(text for text, _ in self._parts(note))
+
+    def live_line(self, note: str, width: int) -> str:
+        """:meth:`line` fitted to ``width`` columns (the bar takes its own)."""
+        return fit_line(self._parts(note), width - BAR_WIDTH - 2)
 
     def update(self, steps: float, note: str, force: bool = True, item: bool = False) -> None:
         """Add ``steps`` done (and one piece with ``item``); show ``note``.
@@ -104,7 +122,8 @@ class TaskProgress:
         text = self.line(note)
         if self._progress is not None:
             completed = self.done if self.total else self.items_done
-            self._progress.update(self._task, description=text, completed=completed)
+            width = getattr(self._progress.console, "width", 80)
+            self._progress.update(self._task, description=self.live_line(note, width), completed=completed)
         if not self.plain:
             return
         decile = int(10 * self.done / self.total) if self.total else -1
