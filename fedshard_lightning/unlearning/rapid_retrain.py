@@ -16,6 +16,12 @@ with ``β = fisher_momentum``, ``λ = damping``, ``η = lr``, ``F_0 = 0``
 
 Choices and departures:
 
+* SPEC section 9 describes RR as this update: a diagonal empirical Fisher from squared
+  gradients with momentum. The paper's own settings, as a public summary lists them, go further:
+  two momenta (``beta1 = 0.9``, ``beta2 = 0.999``) and a block-diagonal Fisher with blocks of 3
+  (the authors' repository could not be read here). Ours has one momentum, on the Fisher (the
+  ``beta2`` role), none on the gradient, and single-entry blocks. TL-System's Plato runs RR
+  with AdaHessian (a Hutchinson Hessian diagonal), another reading.
 * The Fisher estimate lives for one local round: the engine re-creates client optimizers every
   round (SPEC section 3), so each round starts from ``F_0 = 0``; no bias correction, as in the
   formula above.

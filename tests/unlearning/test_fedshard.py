@@ -189,6 +189,17 @@ def test_already_applied_request_is_not_applied_twice(run_root):
     assert FLCache(run / "cache").versions() == versions
 
 
+def test_a_request_overlapping_an_applied_one_is_refused_and_names_the_overlap(run_root):
+    run = fit(run_root, k=8, fixed_rounds=1)
+    unlearn(run_root, run, [2], fixed_rounds=1)
+    snapshot = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and "journal" not in p.name}
+    with pytest.raises(
+        UnlearningRequestError, match=r"clients: \[2\] were already unlearned .* leave them out"
+    ):
+        unlearn(run_root, run, [2, 5], fixed_rounds=1)
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and "journal" not in p.name} == snapshot
+
+
 def test_foreign_and_corrupt_caches_are_refused(run_root):
     run = fit(run_root, k=8, fixed_rounds=1)
     with pytest.raises(CacheError, match="another config or dataset"):
