@@ -11,10 +11,12 @@ likely cause when it fails.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -22,9 +24,35 @@ from fedshard_lightning.cache import atomic_write_json
 from fedshard_lightning.cache_io import read_json_object
 from fedshard_lightning.engine.allocator import configure_process, tf32_flags
 
-__all__ = ["FILE", "current", "oversubscription_warning", "record", "reproduce"]
+__all__ = ["FILE", "current", "keep_caller_state", "oversubscription_warning", "record", "reproduce"]
 
 FILE = "numerics.json"
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def keep_caller_state(method: _F) -> _F:
+    """Run a trainer call with the run's thread count, then give the caller back its own torch state.
+
+    A call seeds torch's generator (lazy layers are built from ``trainer.seed``) and sets the
+    thread count (``trainer.num_threads``, or fit's count for unlearn and audit). Both are the
+    run's business: a notebook's later ``torch.rand`` or matrix product must see the stream and
+    the threads it had before the call. CUDA generators are forked only when CUDA is already
+    initialised, so a CPU call never starts CUDA.
+    """
+
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        threads = torch.get_num_threads()
+        cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+        try:
+            with torch.random.fork_rng(devices=cuda):
+                if self.num_threads is not None:  # applied at launch too: a trainer launches once
+                    torch.set_num_threads(self.num_threads)
+                return method(self, *args, **kwargs)
+        finally:
+            torch.set_num_threads(threads)
+
+    return wrapper  # type: ignore[return-value]
 
 
 def current(trainer: Any) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from fedshard_lightning.fingerprint import body_fingerprint, readable_body
 from fedshard_lightning.loggers import next_log_step, run_loggers
 from fedshard_lightning.loop import TrainerEvents, launch_fabric, load_run, run_fit
 from fedshard_lightning.module import bind_model, param_dtype
+from fedshard_lightning.numerics import keep_caller_state
 from fedshard_lightning.requests import apply_request
 from fedshard_lightning.run_dir import existing_run_dir, new_run_dir, resume_hint, run_lock
 from fedshard_lightning.store import RunStore
@@ -250,6 +251,7 @@ class FederatedTrainer:
             print(text, flush=True)
 
     # -- subcommands -----------------------------------------------------------------------------
+    @keep_caller_state
     def fit(
         self,
         model: L.LightningModule,
@@ -297,6 +299,7 @@ class FederatedTrainer:
         load_run(self, run_dir)
         self.log_step_start = next_log_step(run_dir)
 
+    @keep_caller_state
     def test(
         self, model: L.LightningModule, datamodule: FederatedDataModule, ckpt_path: str
     ) -> dict[str, Any]:
@@ -309,6 +312,7 @@ class FederatedTrainer:
         """
         return run_test(self, model, datamodule, ckpt_path)
 
+    @keep_caller_state
     def unlearn(
         self,
         model: L.LightningModule,
@@ -328,6 +332,7 @@ class FederatedTrainer:
             self._load_run(model, datamodule, ckpt_path, "unlearn")
             return apply_request(self, clients)
 
+    @keep_caller_state
     def audit(
         self,
         model: L.LightningModule,

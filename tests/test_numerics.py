@@ -31,8 +31,8 @@ def test_fit_records_unlearn_and_audit_reproduce_threads(tmp_path, capsys):
     _trainer(tmp_path, num_threads=1).unlearn(*_fresh(), str(tr.run_dir), [3])
     torch.set_num_threads(2)
     try:
-        res = _trainer(tmp_path).audit(*_fresh(), str(tr.run_dir))
-        assert torch.get_num_threads() == 1  # fit's count, reproduced
+        res = _trainer(tmp_path).audit(*_fresh(), str(tr.run_dir))  # with fit's count, reproduced
+        assert torch.get_num_threads() == 2  # and the caller's count given back afterwards
     finally:
         torch.set_num_threads(1)
     out = capsys.readouterr().out
@@ -88,3 +88,36 @@ def test_audit_tolerance_is_checked_before_any_replay(tmp_path, bad):
 def test_num_threads_is_checked(tmp_path):
     with pytest.raises(ConfigError, match=r"trainer\.num_threads"):
         _trainer(tmp_path, num_threads=0)
+
+
+def _model_bytes(module: torch.nn.Module) -> list[bytes]:
+    return [v.detach().numpy().tobytes() for _, v in sorted(module.state_dict().items())]
+
+
+def test_calls_give_the_caller_its_rng_stream_and_threads_back(tmp_path):
+    """A notebook's ``torch.rand`` after fit/test/unlearn/audit draws what it would have without them."""
+    torch.manual_seed(123)
+    expected = torch.rand(3)  # the reference: the same user code with no trainer call in between
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        runs = []
+        for call, seed in (("fit", 123), ("fit", 7), ("test", 123), ("unlearn", 123), ("audit", 123)):
+            model, data = _fresh()  # tiny_model seeds torch itself: built before the caller's seed
+            if call == "fit":  # lazy layers: the model comes from trainer.seed, not the caller's stream
+                model = MLP(hidden=(16,), lr=0.1, momentum=0.5)
+                torch.manual_seed(seed)
+                tr = _trainer(tmp_path, num_threads=1)
+                tr.fit(model, data)
+                runs.append((tr.run_dir, _model_bytes(model)))
+            else:
+                torch.manual_seed(seed)
+                args = (model, data, str(runs[0][0]), *([[3]] if call == "unlearn" else []))
+                getattr(_trainer(tmp_path), call)(*args)
+            if seed == 123:
+                assert torch.equal(torch.rand(3), expected), call
+            assert torch.get_num_threads() == 2, call
+        assert runs[0][1] == runs[1][1]  # whatever the caller's stream was
+        assert json.loads((runs[0][0] / "numerics.json").read_text())["threads"] == 1
+    finally:
+        torch.set_num_threads(before)
