@@ -316,6 +316,13 @@ class FederatedCLI(LightningCLI):
             "audit": {"model", "datamodule"},
         }
 
+    def audit(self, **kwargs: Any) -> dict[str, Any]:
+        """The trainer's ``audit``; a failed audit exits with status 1 (the Python call returns it)."""
+        result = self.trainer.audit(**kwargs)
+        if not result["passed"]:
+            raise SystemExit(1)
+        return result
+
     def add_core_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         """Trainer via ``add_class_arguments`` (it is not a Lightning Trainer), model and data as usual."""
         parser.add_class_arguments(

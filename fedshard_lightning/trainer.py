@@ -348,6 +348,11 @@ class FederatedTrainer:
             ckpt_path: Run directory created by fit (the CLI reads its config.yaml first).
             tolerance: Largest accepted max-abs difference; 0 (bit-exact) by default, since the
                 engine is batch-invariant (docs/unlearning.md).
+
+        Returns:
+            The verdict: ``passed`` (False when the recomputed model differs; the CLI then exits
+            with status 1), ``max_abs_diff``, ``final_max_abs_diff`` and the printed ``lines``
+            (FedShard adds ``shards``).
         """
         tolerance = check_tolerance(tolerance)
         with run_lock(existing_run_dir(ckpt_path, "audit")):

@@ -509,3 +509,23 @@ def test_a_long_error_keeps_its_reason(tmp_path, capsys):
     line = err.strip().splitlines()[-1]
     assert code == 2 and len(line) <= 610 and " ... " in line
     assert line.endswith("(fit's trainer.default_root_dir, default runs)"), line
+
+
+def test_failed_audit_exits_1_from_the_cli_only(run_root, capsys, monkeypatch):
+    """README's exit status 1 for a failed audit; the Python call returns the verdict instead."""
+    from fedshard_lightning.unlearning import FedShard
+
+    code, _, err = _run(["fit", *TINY, "--trainer.default_root_dir", str(run_root)], capsys)
+    assert code == 0, err
+    run = run_root / "version_0"
+    original = FedShard.audit
+
+    def tampered(self, tolerance):  # a final model that differs from its replay, in memory only
+        first = next(iter(self.models[-1]))
+        self.models[-1][first][0] += 1e-3
+        return original(self, tolerance)
+
+    monkeypatch.setattr(FedShard, "audit", tampered)
+    code, out, err = _run(["audit", "--ckpt_path", str(run)], capsys)
+    assert code == 1, err
+    assert "audit FAILED" in out and "Traceback" not in err
