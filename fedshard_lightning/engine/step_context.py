@@ -112,6 +112,35 @@ def keyed_uniform(key: Tensor, call: int, numel: int, dtype: torch.dtype) -> Ten
     return (h >> 8).to(dtype) * (2.0**-24)
 
 
+def _class_method(owner: nn.Module, name: str) -> Callable[..., Any]:
+    """``owner``'s method as its class defines it (what a copied or unpickled override becomes)."""
+    return getattr(type(owner), name).__get__(owner, type(owner))
+
+
+class _Override:
+    """A method that :class:`StepContext` installs on one module instance.
+
+    It routes the call through the context; a deep copy or a pickle of the module holds the
+    class's own method instead. A closure would keep pointing at the original module and its
+    context: the copy's ``nn.Dropout`` would follow the original's ``training`` flag (the
+    evaluator's eval-mode copy dropped units) and ``torch.save(model)`` could not pickle it.
+    """
+
+    def __init__(self, owner: nn.Module, name: str, fn: Callable[..., Any]) -> None:
+        self.owner, self.name, self.fn = owner, name, fn
+
+    @classmethod
+    def install(cls, owner: nn.Module, name: str, fn: Callable[..., Any]) -> None:
+        """Set ``owner.<name>`` to ``fn`` on this instance only."""
+        object.__setattr__(owner, name, cls(owner, name, fn))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _class_method, (self.owner, self.name)
+
+
 class StepContext:
     """The key and the logged values of the step being run (see the module docstring)."""
 
@@ -152,14 +181,14 @@ class StepContext:
 
         Outside a step (``begin`` not called) everything behaves as Lightning and torch do.
         """
-        object.__setattr__(module, "log", self._log_of(module))
-        object.__setattr__(module, "log_dict", self._log_dict_of(module))
+        _Override.install(module, "log", self._log_of(module))
+        _Override.install(module, "log_dict", self._log_dict_of(module))
         metric = _metric_type()
         for name, sub in module.named_modules():
             if type(sub) is nn.Dropout:
-                object.__setattr__(sub, "forward", self._dropout_of(sub))
+                _Override.install(sub, "forward", self._dropout_of(sub))
             elif metric is not None and isinstance(sub, metric):
-                object.__setattr__(sub, "forward", self._metric_of(sub, name, type(module).__name__))
+                _Override.install(sub, "forward", self._metric_of(sub, name, type(module).__name__))
 
     def _log_of(self, module: nn.Module) -> Callable[..., None]:
         original = type(module).log
