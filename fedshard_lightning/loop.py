@@ -234,7 +234,8 @@ def launch_fabric(
     """
     try:
         fabric = L.Fabric(accelerator=accelerator, devices=devices, strategy=strategy, precision=precision)
-    except (ValueError, TypeError, RuntimeError, MisconfigurationException) as e:
+    except (ValueError, TypeError, RuntimeError, ImportError, MisconfigurationException) as e:
+        # ImportError: an accelerator whose package is missing (tpu needs torch_xla)
         raise ConfigError(
             f"trainer.accelerator={accelerator!r}, trainer.devices={devices!r}, "
             f"trainer.strategy={strategy!r}, trainer.precision={precision!r}: {e}"

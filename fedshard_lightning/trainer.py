@@ -119,6 +119,8 @@ class FederatedTrainer:
             memory_budget_mb,
             max_chunk_clients,
             num_threads,
+            seed,
+            as_list(loggers),
         )
         self.algorithm = algorithm
         self.accelerator, self.devices, self.strategy, self.precision = (
@@ -134,10 +136,11 @@ class FederatedTrainer:
         self.csv_history: list[dict[str, str]] = []
         self.log_step_start = 0
         self.default_root_dir, self.run_name = default_root_dir, run_name
-        self.vectorize, self.max_chunk_clients = vectorize, max_chunk_clients
+        self.vectorize = vectorize
+        self.max_chunk_clients = None if max_chunk_clients is None else int(max_chunk_clients)
         self.memory_budget_mb = memory_budget_mb
         self.eval_every_n_rounds, self.enable_progress_bar = eval_every_n_rounds, enable_progress_bar
-        self.num_threads = num_threads
+        self.num_threads = None if num_threads is None else int(num_threads)
         self.seed = int(seed)
         self.batch_invariant, self.compile = bool(batch_invariant), bool(compile)
         self.tf32 = None if tf32 is None else bool(tf32)

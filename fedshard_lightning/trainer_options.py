@@ -6,9 +6,11 @@ the CLI prints that line and exits non-zero.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import lightning as L
+from lightning.fabric.loggers import Logger
 
 from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.errors import ConfigError
@@ -30,8 +32,14 @@ def check_options(
     memory_budget_mb: float,
     max_chunk_clients: int | None,
     num_threads: int | None,
+    seed: int = 0,
+    loggers: list[Any] | None = None,
 ) -> Algorithm:
-    """Check the trainer's options; returns the algorithm (FedShard's defaults when None)."""
+    """Check the trainer's options; returns the algorithm (FedShard's defaults when None).
+
+    Counts must be integers here, not later: a float ``max_chunk_clients`` or ``num_threads``
+    failed inside Fabric or the engine with a TypeError that named no option.
+    """
     if algorithm is None:
         from fedshard_lightning.unlearning import default_algorithm
 
@@ -46,15 +54,29 @@ def check_options(
             "in the parameters' own dtype, so autocast would change nothing); use 32-true or 64-true "
             "(float64)"
         )
-    if eval_every_n_rounds < 0:
-        raise ConfigError(f"trainer.eval_every_n_rounds={eval_every_n_rounds}: must be >= 0")
-    if isinstance(memory_budget_mb, bool) or not 0 < memory_budget_mb < float("inf"):
+    if not _is_int(eval_every_n_rounds) or eval_every_n_rounds < 0:
+        raise ConfigError(f"trainer.eval_every_n_rounds={eval_every_n_rounds!r}: must be an integer >= 0")
+    number = isinstance(memory_budget_mb, (int, float)) and not isinstance(memory_budget_mb, bool)
+    if not number or not 0 < memory_budget_mb < float("inf"):
         raise ConfigError(f"trainer.memory_budget_mb={memory_budget_mb!r}: must be a positive number of MB")
-    if max_chunk_clients is not None and (isinstance(max_chunk_clients, bool) or max_chunk_clients < 1):
-        raise ConfigError(f"trainer.max_chunk_clients={max_chunk_clients!r}: must be >= 1 or null")
-    if num_threads is not None and (isinstance(num_threads, bool) or num_threads < 1):
-        raise ConfigError(f"trainer.num_threads={num_threads}: must be >= 1 (or null for torch's default)")
+    if max_chunk_clients is not None and (not _is_int(max_chunk_clients) or max_chunk_clients < 1):
+        raise ConfigError(f"trainer.max_chunk_clients={max_chunk_clients!r}: must be an integer >= 1 or null")
+    if num_threads is not None and (not _is_int(num_threads) or num_threads < 1):
+        raise ConfigError(
+            f"trainer.num_threads={num_threads!r}: must be an integer >= 1 (or null for torch's default)"
+        )
+    if not _is_int(seed) or not 0 <= seed < 2**32:
+        raise ConfigError(f"trainer.seed={seed!r}: give an integer in [0, 2**32), as seed_everything takes")
+    for logger in loggers or []:
+        if not isinstance(logger, Logger):
+            raise ConfigError(
+                f"trainer.loggers: expected lightning.fabric.loggers.Logger instances, got {type(logger).__name__}"
+            )
     return algorithm
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)  # numpy ints too
 
 
 def check_inputs(model: Any, datamodule: Any) -> None:
