@@ -70,10 +70,12 @@ class FederatedTrainer:
         memory_budget_mb: Memory the stacked clients of a chunk may use (estimate).
         eval_every_n_rounds: Test-set evaluation period in rounds (0: only at the end).
         enable_progress_bar: Show a progress bar on terminals.
-        num_threads: Intra-op CPU threads of this process (``None``: torch's default). Recorded
-            in config.yaml and, with the device and torch version, in ``RUN/numerics.json``;
-            unlearn and audit reuse fit's count (docs/unlearning.md).
-        seed: Training seed (the CLI fills it from ``seed_everything``).
+        num_threads: Intra-op CPU threads during this trainer's calls (``None``: torch's
+            default); the caller's count is back after each call. Recorded in config.yaml and,
+            with the device and torch version, in ``RUN/numerics.json``; unlearn and audit reuse
+            fit's count (docs/unlearning.md).
+        seed: Training seed in [0, 2**32) (the CLI fills it from ``seed_everything``). A call
+            seeds torch with it and gives the caller its own generator state back afterwards.
         batch_invariant: Give every client the same float32 bits whoever shares its computation,
             so unlearning audits bit-exact (default; costs up to 2.2x on launch-bound GPU MLPs,
             docs/gpu.md). False lets stacked calls shrink as clients finish.
