@@ -25,6 +25,7 @@ Written to ``output_dir``: ``compare.md``, ``compare.csv`` (one row per method a
 from __future__ import annotations
 
 import copy
+import math
 import statistics
 import time
 from pathlib import Path
@@ -136,10 +137,12 @@ def compare(
         raise ConfigError(f"algorithms: each method may appear once, got {names}")
     if budget not in ("match", "as_configured"):
         raise ConfigError(f"budget={budget!r}: choose match or as_configured")
+    if vectorize not in ("auto", "always", "never"):
+        raise ConfigError(f"vectorize={vectorize!r}: choose auto, always or never")
+    if isinstance(eps_alpha, bool) or not isinstance(eps_alpha, (int, float)) or not 0 < eps_alpha < math.inf:
+        raise ConfigError(f"eps_alpha={eps_alpha!r}: must be a positive finite number (e.g. 1e-6)")
     _check_same_schedule(algorithms)
     seeds = [int(seed)] if not seeds else [int(s) for s in seeds]
-    out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     probe = copy.deepcopy(data)
     probe.setup()
     k = len(probe.client_indices)
@@ -150,6 +153,8 @@ def compare(
     bad = [c for c in clients if not 0 <= c < k]
     if bad:
         raise ConfigError(f"clients: unknown client ids {bad} (valid: 0..{k - 1})")
+    out = Path(output_dir)  # made once every argument is checked: a refused call leaves no folder
+    out.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     dist_steps: dict[str, list[float]] = {n: [] for n in names}
     dist_seconds: dict[str, list[float]] = {n: [] for n in names}

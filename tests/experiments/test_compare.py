@@ -119,6 +119,23 @@ def test_compare_rejects_unknown_clients(tmp_path):
         compare(output_dir=str(tmp_path), algorithms=[FedAvg(rounds=1)], model=model, data=data, clients=[99])
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"clients": [99]}, "clients"),
+        ({"num_leaving": 0}, "num_leaving"),
+        ({"vectorize": "x"}, "vectorize"),
+        ({"eps_alpha": -1.0}, "eps_alpha"),
+    ],
+)
+def test_refused_arguments_leave_no_output_folder(tmp_path, kwargs, field):
+    model, data = _setting()
+    out = tmp_path / "compare"
+    with pytest.raises(ConfigError, match=rf"^{field}"):
+        compare(output_dir=str(out), algorithms=[FedAvg(rounds=1)], model=model, data=data, **kwargs)
+    assert not out.exists()
+
+
 def test_compare_config_parses(capsys):
     from pathlib import Path
 
