@@ -280,11 +280,11 @@ class FederatedTrainer:
         else:
             made = str(new_run_dir(self.default_root_dir, self.run_name)) if self.is_global_zero else None
             run_dir = Path(self.fabric.broadcast(made, src=0))
-        self._print(f"run directory: {run_dir}")
         try:
             with run_lock(run_dir):  # one process trains a run: a second resume stops in one line
                 self._setup(model, datamodule, run_dir, "fit")
                 self.store.claim(resume)
+                self._print(f"run directory: {run_dir}")  # once accepted: a refused fit leaves none
                 return run_fit(self, run_dir, resume, exclude_clients or [])
         except BaseException as e:
             # A run that failed before its first cache commit holds nothing worth keeping.

@@ -529,3 +529,12 @@ def test_failed_audit_exits_1_from_the_cli_only(run_root, capsys, monkeypatch):
     code, out, err = _run(["audit", "--ckpt_path", str(run)], capsys)
     assert code == 1, err
     assert "audit FAILED" in out and "Traceback" not in err
+
+
+def test_fedshard_with_one_client_is_refused_before_a_run_directory_is_named(capsys, run_root):
+    args = ["fit", "--config", str(ROOT / "configs" / "digits.yaml"), "--data.num_clients", "1"]
+    code, out, err = _run([*args, "--trainer.default_root_dir", str(run_root)], capsys)
+    assert code == 2
+    assert err.strip().splitlines()[-1] == "error: data.num_clients=1: FedShard needs 2 or more clients", err
+    assert "run directory" not in out, out  # no folder named that the refusal then removed
+    assert not list(run_root.glob("version_*"))

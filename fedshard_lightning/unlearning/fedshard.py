@@ -57,14 +57,11 @@ __all__ = ["FedShard", "ShardRecord"]
 
 
 def _merge_policy(merge: str | MergePolicy) -> MergePolicy:
+    a1 = {"a1": {}, "a1_count": {"allocation": "count"}, "a1_spec": {"random_start": True, "refine": False}}
     if isinstance(merge, MergePolicy):
         return merge
-    if merge == "a1":
-        return A1Merge()
-    if merge == "a1_count":
-        return A1Merge(allocation="count")
-    if merge == "a1_spec":
-        return A1Merge(random_start=True, refine=False)
+    if merge in a1:
+        return A1Merge(**a1[merge])
     if merge == "random":
         return RandomMerge()
     raise ConfigError(
@@ -146,6 +143,8 @@ class FedShard(ShardCosts, ShardCache, Algorithm):
 
     def setup(self, ctx: AlgorithmContext) -> None:
         """Build the engine; remember every client's sample count and local steps per round."""
+        if len(ctx.client_sizes) < 2:  # the tree needs something to merge; FedAvg takes one client
+            raise ConfigError(f"data.num_clients={len(ctx.client_sizes)}: FedShard needs 2 or more clients")
         super().setup(ctx)
         self._sizes = [int(n) for n in ctx.client_sizes]
         self._steps = [self.schedule.num_steps(n) for n in self._sizes]
