@@ -4,6 +4,11 @@ import os
 import sys
 
 if __name__ == "__main__":
+    if sys.argv[1:2] in (["runs"], ["cache"]):  # no config: answered without importing Lightning
+        from fedshard_lightning.no_config import run_no_config
+
+        run_no_config(sys.argv[1:])
+        raise SystemExit(0)
     try:
         from fedshard_lightning.cli import main
     except KeyboardInterrupt:  # torch and Lightning take seconds to import; nothing has started yet

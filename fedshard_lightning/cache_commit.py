@@ -30,13 +30,12 @@ from fedshard_lightning.cache_io import (
     sha256_file,
     writing,
 )
+from fedshard_lightning.cache_read import FORMAT
 from fedshard_lightning.cache_stacks import StackWrite
 from fedshard_lightning.errors import CacheError
 from fedshard_lightning.tensor_schema import schema_of
 
 __all__ = ["FORMAT", "Committer"]
-
-FORMAT = "fedshard-flcache/2"
 
 
 class Committer:

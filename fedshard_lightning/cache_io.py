@@ -15,14 +15,13 @@ import shutil
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
-
-import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save
-from torch import Tensor
+from typing import TYPE_CHECKING, Any
 
 from fedshard_lightning.errors import CacheError
+
+if TYPE_CHECKING:  # torch is imported where tensors are read or written: `runs` lists runs without it
+    import torch
+    from torch import Tensor
 
 __all__ = [
     "atomic_save_tensors",
@@ -159,6 +158,8 @@ def atomic_save_tensors(
     """Save with safetensors atomically; returns the file's SHA-256."""
     # Serialized here and written by Python: safetensors' own writer reports a full disk as a
     # SafetensorError, not as the OSError (ENOSPC) that the CLI turns into one line.
+    from safetensors.torch import save
+
     data = save({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, metadata=metadata)
     atomic_write_bytes(Path(path), data)
     return hashlib.sha256(data).hexdigest()
@@ -175,6 +176,9 @@ def load_tensors(
         raise CacheError(
             f"checksum mismatch for {path}: the file was modified or corrupted; refusing to load it"
         )
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
     try:
         return load_file(str(path), device=str(device))
     except (SafetensorError, OSError, ValueError) as e:

@@ -20,7 +20,6 @@ from safetensors import SafetensorError
 from safetensors.torch import load, save
 from torch import Tensor
 
-from fedshard_lightning.cache_io import _SHA256
 from fedshard_lightning.errors import CacheError
 from fedshard_lightning.tensor_schema import check_schema
 
@@ -120,28 +119,6 @@ def _stack_rows(datas: list[bytes], what: str) -> dict[str, Tensor]:
 
 class StackStore:
     """Stacks of :class:`~fedshard_lightning.cache.FLCache` (a mixin over its blobs and manifests)."""
-
-    @staticmethod
-    def _valid_stack(entry: Any) -> bool:
-        if not isinstance(entry, dict):
-            return False
-        n, snap, delta = entry.get("rows"), entry.get("snapshot"), entry.get("delta")
-        return (
-            isinstance(n, int)
-            and not isinstance(n, bool)
-            and n >= 1
-            and isinstance(snap, str)
-            and bool(_SHA256.match(snap))
-            and isinstance(delta, dict)
-            and all(
-                isinstance(k, str)
-                and k.isdigit()
-                and int(k) < n
-                and isinstance(v, str)
-                and bool(_SHA256.match(v))
-                for k, v in delta.items()
-            )
-        )
 
     def stack_digests(
         self, name: str, version: str | None = None, manifest: dict[str, Any] | None = None

@@ -23,8 +23,10 @@ from jsonargparse import ArgumentParser
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from fedshard_lightning.data.base import FederatedDataModule
-from fedshard_lightning.errors import ConfigError, FedShardError, Terminated
-from fedshard_lightning.os_faults import describe, ignore_sigxfsz, terminate_as_interrupt
+from fedshard_lightning.errors import ConfigError, FedShardError
+from fedshard_lightning.no_config import no_config_main, one_line_errors
+from fedshard_lightning.no_config import one_line as _one_line
+from fedshard_lightning.os_faults import ignore_sigxfsz, terminate_as_interrupt
 from fedshard_lightning.trainer import FederatedTrainer
 
 __all__ = ["FederatedCLI", "PlainHelpParser", "main"]
@@ -41,15 +43,6 @@ DEFAULTS = {
     "data": {"class_path": "fedshard_lightning.data.DigitsDataModule"},
     "trainer.algorithm": {"class_path": "fedshard_lightning.unlearning.FedShard"},
 }
-
-
-def _one_line(message: str, limit: int = 600) -> str:
-    """The message on one line; a long one loses its middle (a long path), never its end (the reason)."""
-    text = " ".join(str(message).split())
-    if len(text) <= limit:
-        return text
-    tail = limit // 2
-    return text[: limit - tail - 5] + " ... " + text[-tail:]
 
 
 _GENERIC = (
@@ -365,27 +358,8 @@ def main(args: list[str] | None = None) -> None:
     argv = sys.argv[1:] if args is None else list(args)
     ignore_sigxfsz()
     terminate_as_interrupt()
-    try:
-        if argv[:1] == ["runs"]:
-            from fedshard_lightning.runs import runs_main
-
-            runs_main(argv[1:])
-            return
-        if argv[:1] == ["cache"]:  # maintenance without a config: cache gc / verify
-            from fedshard_lightning.cache_command import cache_main
-
-            cache_main(argv[1:])
+    with one_line_errors():
+        if no_config_main(argv):
             return
         _check_config_files(argv)
         FederatedCLI(args=args)
-    except FedShardError as e:
-        sys.stderr.write(f"error: {_one_line(str(e))}\n")
-        raise SystemExit(2) from None
-    except KeyboardInterrupt as e:
-        terminated = isinstance(e, Terminated)
-        sys.stderr.write("terminated (SIGTERM)\n" if terminated else "interrupted\n")
-        raise SystemExit(143 if terminated else 130) from None
-    except OSError as e:  # disk full, read-only, ulimit -f, no permission: one line, exit 3..7
-        code, line = describe(e)
-        sys.stderr.write(_one_line(line) + "\n")
-        raise SystemExit(code) from None

@@ -3,7 +3,10 @@
 A user with many runs needs to find the one to unlearn from or compare without opening files:
 method, dataset, K, accuracy, requests applied and whether the fit completed or was interrupted
 (and can be resumed). Everything is read from what a run leaves behind (the current FLCache
-manifest, ``config.yaml``, ``metrics.json``); nothing is loaded into torch.
+manifest, ``config.yaml``, ``metrics.json``); nothing imports torch, so listing many runs takes a
+fraction of a second. A run whose ``cache/CURRENT`` exists but whose manifest cannot be read is
+listed as damaged, not as a run that never committed: resuming it would not work, verifying it tells
+which file is at fault.
 """
 
 from __future__ import annotations
@@ -14,8 +17,8 @@ from typing import Any
 
 import yaml
 
-from fedshard_lightning.cache import FLCache
 from fedshard_lightning.cache_io import read_json_object
+from fedshard_lightning.cache_read import CacheReader
 from fedshard_lightning.errors import CacheError, ConfigError
 
 __all__ = ["describe_run", "format_runs", "list_runs", "runs_main"]
@@ -39,17 +42,20 @@ def _dataset(run: Path) -> str:
 
 def describe_run(run: Path) -> dict[str, Any]:
     """The listing's row of one run directory (missing facts are ``-``)."""
-    cache = FLCache(run / "cache")
+    cache = CacheReader(run / "cache")
     manifest: dict[str, Any] = {}
+    damaged = False
     if cache.exists():
         try:
             manifest = cache.manifest()
         except CacheError:
-            manifest = {}
+            damaged = True
     metrics = _read_json(run / "metrics.json")
     requests = manifest.get("requests") or []
     accuracy = requests[-1].get("test_accuracy_after") if requests else metrics.get("test_accuracy")
-    if not manifest:
+    if damaged:
+        state = "damaged (cache verify --ckpt_path RUN names the file)"
+    elif not manifest:
         state = "interrupted (no stage committed)" if (run / "cache").is_dir() else "-"
     elif manifest.get("complete"):
         state = "complete"

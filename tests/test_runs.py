@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -68,3 +72,67 @@ def test_runs_bad_arguments_are_one_line(args, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: runs: ") and err.count("\n") == 1 and "--root" in err, err
+
+
+def _damage(run, how):
+    """A copy of ``run`` whose committed cache was damaged the way a torn write or a user leaves it."""
+    cache = run / "cache"
+    current = json.loads((cache / "CURRENT").read_text())
+    manifest = cache / current["version"] / "manifest.json"
+    if how == "torn CURRENT":
+        (cache / "CURRENT").write_text('{"version": "0003-st')
+    elif how == "truncated manifest":
+        manifest.write_bytes(manifest.read_bytes()[:100])
+    elif how == "manifest removed":
+        manifest.unlink()
+
+
+def test_runs_lists_a_damaged_cache_as_damaged_not_as_never_committed(run_root, capsys):
+    """A complete run with a damaged cache had read 'interrupted (no stage committed)': a resume fails on it."""
+    main(
+        ["fit", *TINY, "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(run_root)]
+    )
+    hows = ["torn CURRENT", "truncated manifest", "manifest removed"]
+    for i, how in enumerate(hows, start=1):
+        shutil.copytree(run_root / "version_0", run_root / f"version_{i}")
+        _damage(run_root / f"version_{i}", how)
+    (run_root / "version_4" / "cache").mkdir(parents=True)  # killed before its first commit
+    capsys.readouterr()
+    rows = list_runs(run_root)
+    assert [r["state"] for r in rows] == [
+        "complete",
+        *["damaged (cache verify --ckpt_path RUN names the file)"] * 3,
+        "interrupted (no stage committed)",
+    ]
+    for i, how in enumerate(hows, start=1):  # and verify does name it, in one line
+        with pytest.raises(SystemExit) as exit_info:
+            main(["cache", "verify", "--ckpt_path", str(run_root / f"version_{i}")])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and err.count("\n") == 1 and "/cache/" in err, (how, err)
+
+
+def test_runs_as_a_command_imports_neither_torch_nor_lightning(run_root, capsys):
+    """`python -m fedshard_lightning runs` had imported the whole CLI (seconds): the same listing, without it."""
+    main(
+        ["fit", *TINY, "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(run_root)]
+    )
+    capsys.readouterr()
+    main(["runs", "--root", str(run_root)])
+    expected = capsys.readouterr().out
+    probe = (
+        "import json, runpy, sys\n"
+        f"sys.argv = ['fedshard_lightning', 'runs', '--root', {str(run_root)!r}]\n"
+        "code = 0\n"
+        "try:\n"
+        "    runpy.run_module('fedshard_lightning', run_name='__main__', alter_sys=True)\n"
+        "except SystemExit as e:\n"
+        "    code = e.code\n"
+        "heavy = sorted(m for m in ('torch', 'lightning', 'jsonargparse') if m in sys.modules)\n"
+        "print(json.dumps({'code': code, 'heavy': heavy}))\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    out = subprocess.run([sys.executable, "-c", probe], cwd=root, env=env, capture_output=True, text=True)
+    *listing, last = out.stdout.splitlines()
+    assert json.loads(last) == {"code": 0, "heavy": []}, out.stderr
+    assert "\n".join(listing) + "\n" == expected
