@@ -215,6 +215,22 @@ def tensorboard_logger(run_dir: Path, version: str, purge_step: int | None = Non
     )
 
 
+def _free_segment(run_dir: Path, version: str) -> bool:
+    """Whether ``logs/<version>`` may take this command's rows: absent, or left empty by a failed one.
+
+    A command that failed (disk full) or was killed between creating its CSV folder and writing a
+    row left the folder empty; skipping it had shifted every later ``unlearn-N`` to hold request
+    N-1. A TensorBoard segment of that name keeps it taken (its events would mix).
+    """
+    folder = run_dir / "logs" / version
+    if (run_dir / "tensorboard" / version).exists():
+        return False
+    try:
+        return not folder.exists() or (folder.is_dir() and not any(folder.iterdir()))
+    except OSError:
+        return False
+
+
 def run_loggers(trainer: Any, run_dir: Path, command: str, resume: bool = False) -> list[Logger]:
     """CSV into ``run_dir/logs``, W&B and TensorBoard when asked, the user's; each gets the run's hyper-parameters.
 
@@ -228,7 +244,7 @@ def run_loggers(trainer: Any, run_dir: Path, command: str, resume: bool = False)
     version = ""
     if command != "fit" or ((logs / "metrics.csv").exists() and not resume):
         n = 1
-        while (logs / f"{command}-{n}").exists():
+        while not _free_segment(run_dir, f"{command}-{n}"):
             n += 1
         version = f"{command}-{n}"
     loggers: list[Logger] = [

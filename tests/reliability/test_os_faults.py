@@ -9,6 +9,7 @@ read-only (EROFS, as root chmod would not stop us).
 from __future__ import annotations
 
 import errno
+import json
 import os
 import subprocess
 import sys
@@ -130,3 +131,47 @@ def test_a_fresh_fit_that_fails_before_its_first_commit_says_nothing_is_left_to_
     assert status == 5 and len(lines) == 1, stderr
     assert "--ckpt_path" not in lines[0] and "nothing was committed" in lines[0], lines[0]
     assert not (root / "efbig").exists()
+
+
+def _logged(run):
+    """{log folder: the request numbers of its rows}, read with the csv module."""
+    import csv
+
+    out = {}
+    for folder in sorted((run / "logs").glob("unlearn-*")):
+        path = folder / "metrics.csv"
+        rows = list(csv.DictReader(path.read_text().splitlines())) if path.is_file() else []
+        out[folder.name] = [int(float(r["unlearn/request"])) for r in rows if r.get("unlearn/request")]
+    return out
+
+
+def test_disk_full_at_a_requests_log_row_keeps_logs_unlearn_n_holding_request_n(
+    reference_run, tmp_path, monkeypatch
+):
+    """ENOSPC writing request 2's CSV row (after its commit) left an empty logs/unlearn-2: the retry
+    logged request 2 into unlearn-3 and every later request N into unlearn-(N+1)."""
+    import builtins
+
+    run = copy_run(reference_run, tmp_path / "run")
+    assert cli(_unlearn(run, "[2]"))[0] == 0
+    real_open = builtins.open
+
+    def full_disk(file, mode="r", *args, **kwargs):
+        if str(file).endswith("unlearn-2/metrics.csv") and "w" in mode:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(file))
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", full_disk)
+    status, _, stderr = cli(_unlearn(run, "[5]"))
+    monkeypatch.undo()
+    assert status == 3 and "unlearn-2/metrics.csv" in stderr, stderr
+    assert FLCache(run / "cache").manifest()["requests"][-1]["clients"] == [5], "request 2 was committed"
+    assert cli(_unlearn(run, "[5]"))[0] == 0  # space freed, run again: nothing to do, the lost row is logged
+    assert cli(_unlearn(run, "[6]"))[0] == 0
+    # The reference: the request numbers the reports give, one folder each, no empty folder.
+    numbers = [
+        json.loads((run / "unlearning" / f"{i:04d}" / "report.json").read_text())["request"]
+        for i in (1, 2, 3)
+    ]
+    assert numbers == [1, 2, 3]
+    assert _logged(run) == {f"unlearn-{n}": [n] for n in numbers}
