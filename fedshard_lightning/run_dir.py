@@ -30,6 +30,7 @@ from fedshard_lightning.cache import (
     atomic_write_json,
     remove_stale_tmp,
 )
+from fedshard_lightning.cache_io import read_json_object
 from fedshard_lightning.deployed import model_is_stale
 from fedshard_lightning.errors import CacheError, ConfigError, FedShardError
 from fedshard_lightning.os_faults import EXIT_CODES
@@ -250,7 +251,8 @@ def recover_reports(run_dir: Path, cache: FLCache, requests: list[dict[str, Any]
     """Write the report and the journal entry of every request the cache holds but the files miss.
 
     Also re-creates ``unlearn_report.json`` (the last request's) when a kill left only its
-    temporary file, and removes such leftovers of killed writers.
+    temporary file or a failed write left the previous request's, and removes such leftovers of
+    killed writers.
     """
     for name in ("unlearn_report.json", "model.safetensors", "metrics.json"):
         remove_stale_tmp(run_dir, name)
@@ -274,7 +276,8 @@ def recover_reports(run_dir: Path, cache: FLCache, requests: list[dict[str, Any]
             }
             journal.append({**entry, "recovered": True})
     last = run_dir / "unlearn_report.json"
-    if requests and not last.is_file():
+    # Missing, or stale: a fault after the per-request report (disk full) left the previous request's.
+    if requests and (read_json_object(last) or {}).get("request") != len(requests):
         rpath = run_dir / "unlearning" / f"{len(requests):04d}" / "report.json"
         atomic_write_bytes(last, rpath.read_bytes())
 

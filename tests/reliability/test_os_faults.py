@@ -175,3 +175,29 @@ def test_disk_full_at_a_requests_log_row_keeps_logs_unlearn_n_holding_request_n(
     ]
     assert numbers == [1, 2, 3]
     assert _logged(run) == {f"unlearn-{n}": [n] for n in numbers}
+
+
+def test_disk_full_at_unlearn_report_json_is_repaired_by_the_next_load(reference_run, tmp_path, monkeypatch):
+    """ENOSPC writing unlearn_report.json after request 2's commit left request 1's there; `test` (and
+    `audit`) repaired the journal but kept the stale file until the next `unlearn`."""
+    run = copy_run(reference_run, tmp_path / "run")
+    assert cli(_unlearn(run, "[2]"))[0] == 0
+    real_replace = os.replace
+
+    def full_disk(src, dst):
+        if str(dst).endswith("unlearn_report.json"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(src))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", full_disk)
+    status, _, stderr = cli(_unlearn(run, "[5]"))
+    monkeypatch.undo()
+    assert status == 3, stderr
+    assert json.loads((run / "unlearn_report.json").read_text())["request"] == 1, (
+        "the fault hit after the commit"
+    )
+    assert cli(["test", "--ckpt_path", str(run)])[0] == 0
+    # The reference: the cache's request log (2 requests) and the request's own report file.
+    assert [r["clients"] for r in FLCache(run / "cache").manifest()["requests"]] == [[2], [5]]
+    report = (run / "unlearning" / "0002" / "report.json").read_bytes()
+    assert json.loads(report)["request"] == 2 and (run / "unlearn_report.json").read_bytes() == report
