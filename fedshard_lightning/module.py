@@ -53,6 +53,7 @@ __all__ = [
     "check_trainable",
     "client_buffer_names",
     "param_dtype",
+    "shared_step_buffers",
     "takes_batch_idx",
 ]
 
@@ -201,6 +202,23 @@ def client_buffer_names(module: nn.Module) -> list[str]:
         if isinstance(sub, nn.modules.batchnorm._BatchNorm) and sub.track_running_stats:
             out += [f"{name}.running_mean", f"{name}.running_var"]
     return out
+
+
+def shared_step_buffers(module: nn.Module, exclude: Sequence[str] = ()) -> dict[str, Tensor]:
+    """The buffers a stacked step shares (all but ``exclude``), BatchNorm's batch counters as copies.
+
+    BatchNorm's forward adds one to ``num_batches_tracked`` in place. Only a cumulative average
+    reads it (refused by :func:`check_trainable`), but counted on the module's own tensor it would
+    follow how many stacked calls and kernel probes this process made (a resumed fit counts only
+    its own, a first process also probes), so identical runs would save different bytes. The
+    per-client loop trains a copy of the module and leaves the counter alone too.
+    """
+    counters = {
+        f"{name}.num_batches_tracked" if name else "num_batches_tracked"
+        for name, sub in module.named_modules()
+        if isinstance(sub, nn.modules.batchnorm._BatchNorm)
+    }
+    return {n: b.clone() if n in counters else b for n, b in module.named_buffers() if n not in set(exclude)}
 
 
 def check_trainable(model: nn.Module) -> None:

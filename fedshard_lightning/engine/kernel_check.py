@@ -17,6 +17,8 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
+from fedshard_lightning.module import shared_step_buffers
+
 __all__ = ["Reference", "Unsupported", "probe_params", "reference", "require_close"]
 
 
@@ -55,7 +57,7 @@ def reference(module: nn.Module, x: Tensor, y: Tensor, names: Sequence[str]) -> 
     """
     params = {k: v.requires_grad_() for k, v in probe_params(module, names, x.shape[0]).items()}
     caller = _LossOf(module)
-    buffers = dict(module.named_buffers())
+    buffers = shared_step_buffers(module)
 
     def loss(pc: dict[str, Tensor], xc: Tensor, yc: Tensor) -> Tensor:
         return functional_call(caller, ({"m." + k: v for k, v in pc.items()}, buffers), (xc, yc))

@@ -36,7 +36,7 @@ from fedshard_lightning.engine.stacked import ConvMode, Kernel, KernelChoice, St
 from fedshard_lightning.engine.step_context import NotVectorizable, StepContext, step_keys, step_loss
 from fedshard_lightning.engine.step_layout import StepLayouts
 from fedshard_lightning.engine.vmap_limits import not_vectorizable, vmap_blocker
-from fedshard_lightning.module import FederatedModule, takes_batch_idx
+from fedshard_lightning.module import FederatedModule, shared_step_buffers, takes_batch_idx
 
 __all__ = ["ClientBatch", "Kernel", "KernelChoice", "LocalTrainer", "NotVectorizable", "step_loss"]
 
@@ -271,7 +271,8 @@ class LocalTrainer:
         buffers: dict[str, Tensor] = {}
         keys_all = torch.zeros(0)  # [S, m] in step order, for autograd steps
         if chain is None:
-            buffers = {_PREFIX + n: b_ for n, b_ in self.module.named_buffers() if n not in self.buffer_names}
+            shared = shared_step_buffers(self.module, self.buffer_names)
+            buffers = {_PREFIX + n: b_ for n, b_ in shared.items()}
             keys_all = torch.as_tensor(np.ascontiguousarray(self.keys(batch, s_max)[order].T), device=device)
         loss_sum = torch.zeros(m_all, dtype=self.dtype, device=device)
         logs: dict[str, Tensor] = {}
