@@ -139,6 +139,9 @@ class TrainerEvents(LoopEvents):
         t = self.trainer
         complete = t.algorithm.is_complete() if complete is None else complete
         t.store.commit(t.algorithm, label, complete, t.algorithm.engine.mode)
+        # At the first commit: a fit killed later is resumed in the environment it started in.
+        if t.is_global_zero and t.run_dir is not None and not (t.run_dir / numerics.FILE).exists():
+            numerics.record(t.run_dir, t)
         t.fabric.barrier()
 
     def evaluate(self, params: dict[str, Tensor]) -> tuple[float, float]:
@@ -165,6 +168,10 @@ def run_fit(trainer: Any, run_dir: Path, resume: bool, exclude: list[int]) -> di
             )
         resumed = alg.resumable(manifest)
         finished = resumed and bool(manifest.get("complete"))
+        if resumed:  # the stages to come must round like the committed ones (threads, ...)
+            trainer.numerics_notes = numerics.reproduce(run_dir, trainer)
+            for note in trainer.numerics_notes:
+                trainer._print(f"warning: numerics: {note}")
     if resumed and trainer.fabric.loggers and trainer.is_global_zero:
         trainer.log_step_start, trainer._events.global_round = restore_csv_history(
             trainer.fabric.loggers[0], trainer.csv_history
@@ -203,7 +210,7 @@ def run_fit(trainer: Any, run_dir: Path, resume: bool, exclude: list[int]) -> di
             trainer._write_model(params)
         if recorded is None:
             atomic_write_json(run_dir / "metrics.json", metrics)
-        if recorded is None or read_json_object(run_dir / numerics.FILE) is None:
+        if read_json_object(run_dir / numerics.FILE) is None:  # recorded at the first commit
             numerics.record(run_dir, trainer)
         for name, text in alg.run_files().items():
             (run_dir / name).write_text(text)
