@@ -48,11 +48,14 @@ def check_options(
         raise ConfigError(f"trainer.algorithm: expected an Algorithm, got {type(algorithm).__name__}")
     if vectorize not in ("auto", "always", "never"):
         raise ConfigError(f"trainer.vectorize={vectorize!r}: choose auto, always or never")
-    if "mixed" in str(precision):
+    # Lightning reads the bare "16" and "bf16" as the mixed settings: refused like them, not trained in float32.
+    unified = {"16": "16-mixed", "bf16": "bf16-mixed"}.get(str(precision), str(precision))
+    if "mixed" in unified or unified.startswith("transformer-engine"):
+        alias = f", which Lightning reads as {unified}" if unified != str(precision) else ""
         raise ConfigError(
-            f"trainer.precision={precision!r}: mixed precision is not supported (the engine trains "
-            "in the parameters' own dtype, so autocast would change nothing); use 32-true or 64-true "
-            "(float64)"
+            f"trainer.precision={precision!r}{alias}: mixed precision is not supported (the engine "
+            "trains in the parameters' own dtype, so autocast would change nothing); use 32-true or "
+            "64-true (float64)"
         )
     if not _is_int(eval_every_n_rounds) or eval_every_n_rounds < 0:
         raise ConfigError(f"trainer.eval_every_n_rounds={eval_every_n_rounds!r}: must be an integer >= 0")

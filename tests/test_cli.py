@@ -338,13 +338,17 @@ def test_missing_tensorboard_for_the_tensorboard_option_names_the_extra(capsys, 
     assert "[tb]" in err and not list(run_root.iterdir())
 
 
-def test_mixed_precision_is_refused_in_one_line(capsys, run_root):
+# Lightning reads "16" and "bf16" as 16-mixed and bf16-mixed: they had trained float32 silently.
+# transformer-engine had ended in a ModuleNotFoundError traceback.
+@pytest.mark.parametrize("precision", ["16-mixed", "16", "bf16", "transformer-engine"])
+def test_mixed_precision_is_refused_in_one_line(capsys, run_root, precision):
     code, _, err = _run(
-        ["fit", "--trainer.precision", "16-mixed", "--trainer.default_root_dir", str(run_root)], capsys
+        ["fit", "--trainer.precision", precision, "--trainer.default_root_dir", str(run_root)], capsys
     )
     assert code == 2
     lines = [x for x in err.splitlines() if x.strip() and not x.startswith("Seed set")]
-    assert len(lines) == 1 and "trainer.precision='16-mixed'" in lines[0], err
+    assert len(lines) == 1 and f"error: trainer.precision='{precision}'" in lines[0], err
+    assert "use 32-true or 64-true" in lines[0]
 
 
 def test_seed_everything_true_draws_and_records_a_seed(capsys, run_root):
