@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from fedshard_lightning.callbacks.dispatch import call_hook
@@ -73,9 +74,16 @@ def run_audit(trainer: Any, tolerance: float) -> dict[str, Any]:
     result = trainer.algorithm.audit(tolerance)
     call_hook(trainer.fabric, "on_audit_end", trainer, result=result)
     if not result["passed"]:
+        dtype = next(trainer.module.parameters()).dtype
+        notes = list(trainer.numerics_notes)
+        if dtype not in (torch.float32, torch.float64):  # the stacked step is invariant in these only
+            notes.append(
+                f"dtype {dtype}: exactness is certified in float32 and float64 only (in half precision "
+                "a client's stacked rounding depends on its neighbours); use 32-true, or audit with --tolerance"
+            )
         cause = (
-            "; ".join(trainer.numerics_notes)
-            if trainer.numerics_notes
+            "; ".join(notes)
+            if notes
             else "no difference in the recorded numerical environment: was the cache or model changed, "
             "or fit run with trainer.batch_invariant false?"
         )

@@ -8,6 +8,7 @@ import pytest
 import torch
 from _tiny import tiny_data, tiny_model, tiny_trainer
 
+from fedshard_lightning.data import DigitsDataModule
 from fedshard_lightning.errors import ConfigError
 from fedshard_lightning.models import MLP
 from fedshard_lightning.unlearning import FedShard
@@ -121,3 +122,27 @@ def test_calls_give_the_caller_its_rng_stream_and_threads_back(tmp_path):
         assert json.loads((runs[0][0] / "numerics.json").read_text())["threads"] == 1
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "16-true"])
+def test_failed_half_precision_audit_names_the_dtype(tmp_path, capsys, precision):
+    # In half precision the stacked vmap step is not batch-invariant on the CPU (a client that
+    # finishes early rounds differently among others: 1e-3 on digits), so this audit fails; it
+    # used to blame "no difference in the recorded numerical environment". Reference: the same
+    # run in float32 audits bit-exact (test_fit_records_unlearn_and_audit_reproduce_threads).
+    def fresh():
+        torch.manual_seed(0)
+        return MLP(hidden=[16], lr=0.1), DigitsDataModule(
+            num_clients=8, partition="dirichlet", rho=0.5, min_client_size=10, seed=0
+        )
+
+    def trainer():
+        return tiny_trainer(tmp_path, vectorize="always", precision=precision, run_name="half")
+
+    trainer().fit(*fresh())
+    run = str(tmp_path / "half")
+    trainer().unlearn(*fresh(), run, [3])
+    assert not trainer().audit(*fresh(), run)["passed"]  # returned to Python; the CLI exits 1
+    out = capsys.readouterr().out
+    assert "audit FAILED" in out and "no difference in the recorded numerical environment" not in out
+    assert f"likely cause: dtype {'torch.bfloat16' if precision == 'bf16-true' else 'torch.float16'}" in out
