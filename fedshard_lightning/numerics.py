@@ -4,7 +4,7 @@ The engine makes a client's arithmetic independent of who shares its computation
 (docs/unlearning.md), but not of the machine: the device, the torch build, the thread count (MKL
 and oneDNN split reductions by thread), the kernel family and the fixed-shape block size change
 float32 rounding, as does the local-training path (stacked or loop), and so does TF32 on CUDA (``trainer.tf32``). ``fit`` records them in
-``RUN/numerics.json``; ``unlearn`` and ``audit`` reproduce the thread count and the TF32 switch,
+``RUN/numerics.json``; ``unlearn``, ``audit`` and a resumed ``fit`` reproduce the thread count, ``trainer.compile`` and the TF32 switch,
 warn in one line each about what they cannot reproduce, and ``audit`` names a mismatch as the
 likely cause when it fails.
 """
@@ -102,6 +102,17 @@ def reproduce(run_dir: Path, trainer: Any) -> list[str]:
             f"threads: fit used {threads}, this process had {torch.get_num_threads()}; using {threads}"
         )
         torch.set_num_threads(threads)
+    fit_compile, eng = fit_env.get("compile"), trainer.algorithm.engine
+    if isinstance(fit_compile, bool) and fit_compile != eng.local.compiled:
+        # the compiled step rounds differently in float32 (1.8e-7 on digits): use fit's, like threads
+        notes.append(
+            f"compile: fit ran with {fit_compile}, this process had {eng.local.compiled}; "
+            f"using fit's (trainer.compile: {json.dumps(fit_compile)})"
+        )
+        trainer.compile = fit_compile
+        for other in vars(trainer.algorithm).values():
+            if isinstance(other, type(eng)):  # every engine made so far (FedEraser has two)
+                other.local.compiled = fit_compile
     fit_tf32 = fit_env.get("tf32")
     if trainer.device.type == "cuda" and fit_tf32 in ([True, False], [True, True], [False, False]):
         now_tf32 = list(tf32_flags(trainer.tf32))

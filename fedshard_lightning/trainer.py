@@ -79,7 +79,8 @@ class FederatedTrainer:
         batch_invariant: Give every client the same float32 bits whoever shares its computation,
             so unlearning audits bit-exact (default; costs up to 2.2x on launch-bound GPU MLPs,
             docs/gpu.md). False lets stacked calls shrink as clients finish.
-        compile: ``torch.compile`` the stacked step (exact against eager; no speed-up measured).
+        compile: ``torch.compile`` the stacked step (equal to eager in float64; other float32 bits,
+            so unlearn and audit use fit's setting; no speed-up measured).
         tf32: TF32 tensor cores on CUDA: ``null`` keeps torch's defaults (convolutions in TF32,
             matmuls in IEEE float32), ``true`` TF32 in both, ``false`` IEEE float32 in both.
             Every setting is deterministic and audits bit-exact; each gives other bits, so the

@@ -146,3 +146,19 @@ def test_failed_half_precision_audit_names_the_dtype(tmp_path, capsys, precision
     out = capsys.readouterr().out
     assert "audit FAILED" in out and "no difference in the recorded numerical environment" not in out
     assert f"likely cause: dtype {'torch.bfloat16' if precision == 'bf16-true' else 'torch.float16'}" in out
+
+
+def test_unlearn_and_audit_use_fits_compile_setting(tmp_path, capsys):
+    # The compiled step rounds differently from the eager one in float32 (1.8e-7 on digits), so
+    # an unlearn with another trainer.compile than fit's mixed the two and its audit failed; now it
+    # uses fit's, like the thread count. Reference: fit's recorded setting and a bit-exact audit.
+    tr = _trainer(tmp_path, compile=False)
+    tr.fit(*_fresh())
+    assert json.loads((tr.run_dir / "numerics.json").read_text())["compile"] is False
+    un = _trainer(tmp_path, compile=True)
+    un.unlearn(*_fresh(), str(tr.run_dir), [3])
+    assert un.compile is False and un.algorithm.engine.local.compiled is False
+    res = _trainer(tmp_path, compile=True).audit(*_fresh(), str(tr.run_dir))
+    out = capsys.readouterr().out
+    assert "warning: numerics: compile: fit ran with False, this process had True; using fit's" in out
+    assert res["max_abs_diff"] == 0.0 and "audit PASSED, bit-exact" in out
