@@ -28,6 +28,7 @@ from fedshard_lightning.engine.groups import (
     TrainResult,
     add_logged,
     check_finite,
+    one_sample_batchnorm,
     stack_params,
     unstack_params,
 )
@@ -40,7 +41,7 @@ from fedshard_lightning.engine.path_choice import check_agreement, choose_path, 
 from fedshard_lightning.engine.round_plan import RoundPlan
 from fedshard_lightning.engine.schedule import LocalSchedule
 from fedshard_lightning.engine.stages import train_stages
-from fedshard_lightning.errors import ConfigError, ContractError
+from fedshard_lightning.errors import ConfigError
 from fedshard_lightning.module import client_buffer_names
 
 __all__ = [
@@ -262,10 +263,11 @@ class FederatedEngine:
 
     def _decide_on(self, start: dict[str, Tensor], batch: ClientBatch) -> None:
         """``auto``: probe the two paths on these clients; ``always``: check that they agree."""
-        if self._mode is None:
-            self._mode = self._probe(start, batch)
-        elif self._unchecked:
-            check_agreement(self.local, start, batch)
+        with one_sample_batchnorm(type(self.module).__name__, f"stage {batch.stage}, round {batch.round}"):
+            if self._mode is None:
+                self._mode = self._probe(start, batch)
+            elif self._unchecked:
+                check_agreement(self.local, start, batch)
         self._unchecked = False
 
     def train_stages(
@@ -337,17 +339,9 @@ class FederatedEngine:
             kept: list[LocalResult] = []
             for ch in plan.chunks:
                 cl, ow = ch.clients, ch.owners
-                try:
+                with one_sample_batchnorm(type(self.module).__name__, f"stage {stage}, round {r}"):
                     start, rows = local.start(state, ch.owners_t, cl)
                     res = self._run_local(start, rows, ClientBatch(cl, [groups[i].key for i in ow], stage, r))
-                except ValueError as err:
-                    if "Expected more than 1 value per channel" not in str(err):
-                        raise
-                    raise ContractError(
-                        f"{type(self.module).__name__}: a BatchNorm layer got a one-sample batch (stage {stage}, "
-                        f"round {r}; a client's last batch); use a batch size that leaves no client one "
-                        "sample, or nn.GroupNorm"
-                    ) from None
                 losses = res.loss_sum.detach().cpu().double()  # one host copy: the check and the sums
                 check_finite(losses.numpy(), cl, ow, groups, stage, r)
                 local.keep(res.params, cl)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -10,7 +11,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fedshard_lightning.errors import NonFiniteLossError
+from fedshard_lightning.errors import ContractError, NonFiniteLossError
 
 if TYPE_CHECKING:
     from fedshard_lightning.engine.local import LocalResult
@@ -22,6 +23,7 @@ __all__ = [
     "TrainResult",
     "add_logged",
     "check_finite",
+    "one_sample_batchnorm",
     "stack_params",
     "unstack_params",
 ]
@@ -107,3 +109,22 @@ def add_logged(logged: dict[str, float], res: LocalResult, chunk: Chunk) -> None
     steps = torch.as_tensor(np.maximum(res.steps, 1), dtype=torch.float64)
     for k, v in res.logs.items():
         logged[k] = logged.get(k, 0.0) + float((n * v.detach().cpu().double() / steps).sum())
+
+
+@contextmanager
+def one_sample_batchnorm(model: str, where: str) -> Iterator[None]:
+    """Turn BatchNorm's one-sample-batch ``ValueError`` into a one-line :class:`ContractError`.
+
+    Wraps every call that trains clients, the ``vectorize`` probe and check included: they run
+    the first round's batches before the round itself does, so they meet a client's one-sample
+    last batch first.
+    """
+    try:
+        yield
+    except ValueError as err:
+        if "Expected more than 1 value per channel" not in str(err):
+            raise
+        raise ContractError(
+            f"{model}: a BatchNorm layer got a one-sample batch ({where}; a client's last batch); "
+            "use a batch size that leaves no client one sample, or nn.GroupNorm"
+        ) from None

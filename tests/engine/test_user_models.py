@@ -220,7 +220,9 @@ def test_engines_over_one_module_share_its_step_context():
     assert set(res.history[0].metrics) == LOGGED[DropoutCNN]
 
 
-def test_one_sample_batchnorm_batch_is_a_one_line_error():
+@pytest.mark.parametrize("vectorize", ["never", "always", "auto"])
+def test_one_sample_batchnorm_batch_is_a_one_line_error(vectorize):
+    """``auto``'s probe and ``always``'s check meet the one-sample batch first (they had raised torch's ValueError)."""
     dm = SyntheticDataModule(
         num_clients=2, partition="iid", num_samples=11, num_test=4, shape=(10,), num_classes_=4
     )
@@ -235,6 +237,6 @@ def test_one_sample_batchnorm_batch_is_a_one_line_error():
 
     m = BN1d()
     bind_model(m, dm.input_shape, dm.num_classes)
-    eng = FederatedEngine(m, dm, LocalSchedule(batch_size=5), seed=1, vectorize="never")
-    with pytest.raises(ContractError, match=r"one-sample batch.*nn\.GroupNorm"):
+    eng = FederatedEngine(m, dm, LocalSchedule(batch_size=5), seed=1, vectorize=vectorize)
+    with pytest.raises(ContractError, match=r"one-sample batch \(stage 0, round 0.*nn\.GroupNorm"):
         eng.train_groups(stack_params([eng.module_params()]), [Group(0, (0, 1), 1)])
