@@ -55,6 +55,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
+import lightning as L
 import numpy as np
 
 from fedshard_lightning.data.base import FederatedDataModule
@@ -70,7 +71,6 @@ from fedshard_lightning.experiments.common import (
     write_json,
 )
 from fedshard_lightning.metrics.fairness_report import fairness_report
-from fedshard_lightning.module import FederatedModule
 from fedshard_lightning.unlearning.base import Algorithm
 
 __all__ = ["ExperimentSetting", "MethodRun", "cascade", "main", "minority_clients"]
@@ -84,7 +84,7 @@ __all__ = ["ExperimentSetting", "MethodRun", "cascade", "main", "minority_client
 def cascade(
     output_dir: str = "runs/cascade",
     algorithms: list[Algorithm] | None = None,
-    model: FederatedModule | None = None,
+    model: L.LightningModule | None = None,
     data: FederatedDataModule | None = None,
     num_clients: int = 64,
     label_split_fraction: float = 0.75,

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import torch
 from torch import Tensor
 
@@ -23,7 +24,6 @@ from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.errors import ConfigError
 from fedshard_lightning.metrics.client_alpha import client_alphas, per_client_accuracy
 from fedshard_lightning.metrics.fairness_report import fairness_report, json_safe
-from fedshard_lightning.module import FederatedModule
 from fedshard_lightning.unlearning.base import Algorithm
 
 __all__ = [
@@ -83,7 +83,7 @@ class ExperimentSetting:
 
     output_dir: Path
     datamodule: FederatedDataModule
-    model: FederatedModule
+    model: L.LightningModule
     algorithms: list[Algorithm]
     seed: int = 0
     precision: str = "32-true"
@@ -99,7 +99,7 @@ class ExperimentSetting:
         cls,
         output_dir: str | Path,
         algorithms: list[Algorithm] | None,
-        model: FederatedModule | None,
+        model: L.LightningModule | None,
         data: FederatedDataModule | None,
         num_clients: int,
         label_split_fraction: float,

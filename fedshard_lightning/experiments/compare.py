@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
+import lightning as L
 import torch
 
 from fedshard_lightning.callbacks.replay import UnlearningReplay
@@ -42,7 +43,6 @@ from fedshard_lightning.experiments.common import run_cli, with_seed
 from fedshard_lightning.experiments.plots import plot_cost_distributions
 from fedshard_lightning.experiments.tables import COLUMNS, aggregate, write_tables
 from fedshard_lightning.metrics import efficiency_fairness
-from fedshard_lightning.module import FederatedModule
 from fedshard_lightning.trainer import FederatedTrainer
 from fedshard_lightning.unlearning.base import Algorithm
 
@@ -50,7 +50,7 @@ __all__ = ["COLUMNS", "compare"]
 
 
 def _defaults(
-    model: FederatedModule | None, data: FederatedDataModule | None, algorithms: list[Algorithm] | None
+    model: L.LightningModule | None, data: FederatedDataModule | None, algorithms: list[Algorithm] | None
 ):
     from fedshard_lightning.data import DigitsDataModule
     from fedshard_lightning.models import MLP
@@ -92,7 +92,7 @@ def _me(costs: list[float], alphas: list[float], eps: float) -> float | None:
 def compare(
     output_dir: str = "runs/compare",
     algorithms: list[Algorithm] | None = None,
-    model: FederatedModule | None = None,
+    model: L.LightningModule | None = None,
     data: FederatedDataModule | None = None,
     clients: list[int] | None = None,
     num_leaving: int = 8,
@@ -200,7 +200,7 @@ def compare(
 def _run_seed(
     seed: int,
     algorithms: list[Algorithm],
-    model: FederatedModule,
+    model: L.LightningModule,
     data: FederatedDataModule,
     clients: list[int],
     budget: str,

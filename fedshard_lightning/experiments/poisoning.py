@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
+import lightning as L
+
 from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.errors import ConfigError
 from fedshard_lightning.experiments.common import (
@@ -37,7 +39,6 @@ from fedshard_lightning.experiments.common import (
     write_json,
 )
 from fedshard_lightning.metrics.fairness_report import fairness_report
-from fedshard_lightning.module import FederatedModule
 from fedshard_lightning.unlearning.base import Algorithm
 
 __all__ = ["main", "poisoning"]
@@ -46,7 +47,7 @@ __all__ = ["main", "poisoning"]
 def poisoning(
     output_dir: str = "runs/poisoning",
     algorithms: list[Algorithm] | None = None,
-    model: FederatedModule | None = None,
+    model: L.LightningModule | None = None,
     data: FederatedDataModule | None = None,
     num_clients: int = 64,
     label_split_fraction: float = 0.75,

@@ -254,3 +254,58 @@ def test_wandb_table_has_the_spread_over_seeds(tmp_path):
             assert got["seeds"] == 2
             assert got[f"{header}, mean"] == pytest.approx(mean, rel=1e-9, abs=1e-12)
             assert got[f"{header}, sample std"] == pytest.approx(std, rel=1e-6, abs=1e-12)
+
+
+_PLAIN_MODULE = """
+import lightning as L
+import torch
+import torch.nn.functional as F
+
+
+class PlainNet(L.LightningModule):
+    def __init__(self, width: int = 4):
+        super().__init__()
+        self.net = torch.nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+"""
+
+
+@pytest.mark.parametrize("experiment", ["compare", "cascade", "poisoning"])
+def test_experiments_take_a_plain_lightning_module_by_class_path(experiment, tmp_path, monkeypatch, capsys):
+    """The README's "your own model" is a plain LightningModule; the experiments had typed FederatedModule."""
+    import importlib
+
+    (tmp_path / "user_plain_net.py").write_text(_PLAIN_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    main = importlib.import_module(f"fedshard_lightning.experiments.{experiment}").main
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "user_plain_net.PlainNet", "--model.width", "5", "--print_config"])
+    assert e.value.code == 0
+    assert "class_path: user_plain_net.PlainNet" in capsys.readouterr().out
+
+
+def test_compare_runs_a_plain_lightning_module(tmp_path, monkeypatch):
+    (tmp_path / "user_plain_net2.py").write_text(_PLAIN_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from user_plain_net2 import PlainNet
+
+    _, data = _setting()
+    res = compare(
+        output_dir=str(tmp_path / "out"),
+        algorithms=[FedShard(rounds="fixed", fixed_rounds=1, batch_size=5), FedAvg(rounds=1, batch_size=5)],
+        model=PlainNet(),
+        data=data,
+        clients=[1],
+        mia=False,
+    )
+    assert [r["method"] for r in res["rows"]] == ["fedshard", "fedavg"]
+    assert all(r["fit_client_steps"] > 0 for r in res["rows"])
