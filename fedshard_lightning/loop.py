@@ -32,6 +32,7 @@ from fedshard_lightning.loggers import finish_loggers, restore_csv_history
 from fedshard_lightning.requests import validate_exclude
 from fedshard_lightning.run_dir import Journal, model_is_stale, recover_reports
 from fedshard_lightning.unlearning.context import AlgorithmContext, LoopEvents
+from fedshard_lightning.unlearning.contract import check_params
 
 __all__ = ["TrainerEvents", "run_fit", "sample_weighted_average"]
 
@@ -181,7 +182,9 @@ def run_fit(trainer: Any, run_dir: Path, resume: bool, exclude: list[int]) -> di
         trainer.store.requests, trainer.store.complete_committed = [], False
     call_hook(trainer.fabric, "on_fit_start", trainer)
     try:
-        params = alg.current_params() if finished else alg.fit()
+        params = check_params(
+            alg, alg.current_params() if finished else alg.fit(), "current_params" if finished else "fit"
+        )
     except BaseException:
         for logger in trainer.fabric.loggers:  # rows are written in batches: keep the stopped fit's
             with contextlib.suppress(OSError):

@@ -22,6 +22,7 @@ from fedshard_lightning.errors import UnlearningRequestError
 from fedshard_lightning.loggers import finish_loggers, logged_requests
 from fedshard_lightning.run_dir import Journal
 from fedshard_lightning.unlearning.base import UnlearnResult
+from fedshard_lightning.unlearning.contract import check_cost
 
 __all__ = [
     "apply_request",
@@ -181,7 +182,8 @@ def apply_request(trainer: Any, clients: Any) -> dict[str, Any]:
     journal.append({"event": "started", "request": number, "clients": ids})
     call_hook(trainer.fabric, "on_unlearn_start", trainer, clients=ids)
     before = trainer.evaluate(alg.current_params())
-    predicted, retrain = alg.predict_cost(ids), alg.retrain_cost(ids)
+    predicted = check_cost(alg, alg.predict_cost(ids), "predict_cost()")
+    retrain = check_cost(alg, alg.retrain_cost(ids), "retrain_cost()")
     trainer._print(request_start_line(trainer.run_dir, number, ids, predicted, retrain))
     state, result = alg.what_if(alg.state_dict(), ids)
     alg.load_state_dict(state)

@@ -22,6 +22,7 @@ from fedshard_lightning.errors import CacheError
 from fedshard_lightning.init_args import init_args
 from fedshard_lightning.tensor_schema import check_schema, schema_of
 from fedshard_lightning.unlearning.base import Algorithm
+from fedshard_lightning.unlearning.contract import check_state_json
 
 __all__ = ["RunStore"]
 
@@ -164,6 +165,7 @@ class RunStore:
         if algorithm.theta0 is None:
             raise CacheError(f"{algorithm.name}: nothing to commit before the fit has a theta0")
         fields, tensors, reuse = algorithm.cache_files(self.cache)
+        check_state_json(algorithm, fields.get("state", {}))
         tensors, reuse = dict(tensors), dict(reuse)
         has_base = self.cache.exists() and "theta0.safetensors" in self.cache.manifest().get("files", {})
         if has_base and _same_tensors(algorithm.theta0, self._theta0):

@@ -39,6 +39,7 @@ from fedshard_lightning.run_dir import existing_run_dir, new_run_dir, resume_hin
 from fedshard_lightning.store import RunStore
 from fedshard_lightning.trainer_options import as_list, check_inputs, check_options, check_tolerance
 from fedshard_lightning.unlearning.base import Algorithm
+from fedshard_lightning.unlearning.contract import check_implemented
 
 __all__ = ["FederatedTrainer"]
 
@@ -224,6 +225,7 @@ class FederatedTrainer:
         self._evaluator.prepare()
         self.history = []
         self._events = TrainerEvents(self)
+        check_implemented(self.algorithm)
         self.algorithm.setup(self._events.context())
         body = readable_body(self.module, datamodule, self.algorithm, self.seed)  # the data hashed once
         self.store = RunStore(

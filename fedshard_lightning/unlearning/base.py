@@ -25,6 +25,7 @@ The protocol, driven by :class:`~fedshard_lightning.trainer.FederatedTrainer`:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -37,6 +38,7 @@ from fedshard_lightning.engine.local_layers import LocalBN, local_layer_names
 from fedshard_lightning.errors import CacheError, ConfigError
 from fedshard_lightning.init_args import RecordsInitArgs
 from fedshard_lightning.unlearning.context import AlgorithmContext, LoopEvents
+from fedshard_lightning.unlearning.contract import check_result, is_tensor_dict
 from fedshard_lightning.unlearning.rank_rounds import RoundRecorder
 
 __all__ = ["Algorithm", "UnlearnResult"]
@@ -56,10 +58,6 @@ class UnlearnResult:
     seconds: float
     server_seconds: float = 0.0
     details: dict[str, Any] = field(default_factory=dict)
-
-
-def _is_tensor_dict(value: Any) -> bool:
-    return isinstance(value, dict) and bool(value) and all(isinstance(v, Tensor) for v in value.values())
 
 
 class Algorithm(RecordsInitArgs):
@@ -180,10 +178,10 @@ class Algorithm(RecordsInitArgs):
         The instance's own state is the same before and after; nothing is written. The trainer's
         ``unlearn`` runs this and commits the new state; what-if analyses just keep it.
         """
-        saved = self.state_dict()
+        saved, t = self.state_dict(), time.perf_counter()
         self.load_state_dict(state)
         try:
-            result = self.unlearn(clients)
+            result = check_result(self, self.unlearn(clients), time.perf_counter() - t)
             new = self.state_dict()
         finally:
             self.load_state_dict(saved)
@@ -307,7 +305,7 @@ class Algorithm(RecordsInitArgs):
             if f in BASE_STATE:
                 continue
             v = getattr(self, f)
-            if _is_tensor_dict(v):
+            if is_tensor_dict(v):
                 tensors[f"{f}.safetensors"] = v
             else:
                 state[f] = v
