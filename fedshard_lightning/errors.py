@@ -27,7 +27,7 @@ class ConfigError(FedShardError, ValueError):
 
 
 class ContractError(FedShardError, TypeError):
-    """A user model breaks the FederatedModule contract (e.g. logs inside the training step)."""
+    """A user class breaks its contract: a model (logs inside the training step), an algorithm, a dataset."""
 
 
 class DataError(FedShardError):

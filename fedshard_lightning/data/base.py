@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from fedshard_lightning.data.partition import dirichlet_partition, iid_partition, label_split_partition
-from fedshard_lightning.errors import ConfigError
+from fedshard_lightning.errors import ConfigError, ContractError
 from fedshard_lightning.init_args import RecordsInitArgs, init_args
 
 __all__ = ["FederatedDataModule"]
@@ -109,7 +109,9 @@ class FederatedDataModule(RecordsInitArgs, L.LightningDataModule):
     # -- what subclasses provide -------------------------------------------------------------
     def load_split(self, train: bool) -> tuple[Tensor, Tensor]:
         """Return the raw samples (native dtype, e.g. uint8 [N, C, H, W]) and int64 labels [N]."""
-        raise NotImplementedError(f"{type(self).__name__} must implement load_split(train)")
+        raise ContractError(
+            f"data: {type(self).__name__} must implement load_split(train) (docs/extending.md)"
+        )
 
     def hparams_for_fingerprint(self) -> dict:
         """The constructor arguments (recorded, never listed by hand) except where files live.
@@ -128,8 +130,8 @@ class FederatedDataModule(RecordsInitArgs, L.LightningDataModule):
         """Load both splits and draw the client partition (idempotent)."""
         if self._ready:
             return
-        train_x, train_y = self.load_split(train=True)
-        test_x, test_y = self.load_split(train=False)
+        train_x, train_y = self._checked_split(train=True)
+        test_x, test_y = self._checked_split(train=False)
         self.train_x, self.train_y = train_x, train_y.long()
         self.test_x, self.test_y = test_x, test_y.long()
         rng = np.random.default_rng(self.seed)
@@ -153,6 +155,31 @@ class FederatedDataModule(RecordsInitArgs, L.LightningDataModule):
         self.client_indices = [torch.as_tensor(p, dtype=torch.long) for p in train_parts]
         self.holdout_indices = [torch.as_tensor(p, dtype=torch.long) for p in holdout_parts]
         self._ready = True
+
+    def _checked_split(self, train: bool) -> tuple[Tensor, Tensor]:
+        """``load_split``'s samples and labels, refused in one line unless one integer label per sample.
+
+        A user's dataset that returned numpy arrays had ended in a traceback, and one that
+        returned fewer labels than samples had trained on what it was given.
+        """
+        out = self.load_split(train=train)
+        where = f"data: {type(self).__name__}.load_split(train={train})"
+        if not (isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(t, Tensor) for t in out)):
+            got = type(out).__name__ + (
+                f" of {[type(t).__name__ for t in out]}" if isinstance(out, (tuple, list)) else ""
+            )
+            raise ContractError(f"{where} must return (samples, labels) as two torch tensors, got {got}")
+        x, y = out
+        if y.ndim != 1 or x.ndim < 1 or len(x) != len(y):
+            raise ContractError(
+                f"{where} returned samples of shape {tuple(x.shape)} and labels of shape {tuple(y.shape)}; "
+                "give one label per sample (labels of shape [N])"
+            )
+        if (y.is_floating_point() and not bool(torch.equal(y, y.round()))) or y.is_complex():
+            raise ContractError(f"{where} returned labels that are not whole numbers; give integer class ids")
+        if len(y) and int(y.min()) < 0:
+            raise ContractError(f"{where} returned a negative label ({int(y.min())}); give class ids 0..C-1")
+        return x, y
 
     def to(self, device: torch.device | str) -> FederatedDataModule:
         """Move the data tensors (not copies per client) to ``device``."""

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fedshard_lightning.data import DigitsDataModule, SyntheticDataModule
-from fedshard_lightning.errors import ConfigError
+from fedshard_lightning.errors import ConfigError, ContractError
 
 
 class _UInt8Images(SyntheticDataModule):
@@ -158,3 +158,55 @@ def test_digits_and_basic_properties():
 def test_bad_settings_are_config_errors(kwargs, field):
     with pytest.raises(ConfigError, match=field):
         SyntheticDataModule(**kwargs)
+
+
+class _UserSplit(SyntheticDataModule):
+    """A user's dataset whose ``load_split`` returns what ``broken`` makes of the right answer."""
+
+    def __init__(self, broken, **kwargs) -> None:
+        super().__init__(num_samples=40, num_test=10, num_clients=4, partition="iid", **kwargs)
+        self.broken = broken
+
+    def load_split(self, train):
+        return self.broken(*super().load_split(train))
+
+
+@pytest.mark.parametrize(
+    ("broken", "match"),
+    [
+        (
+            lambda x, y: (x.numpy(), y.numpy()),
+            r"must return \(samples, labels\) as two torch tensors, got tuple of",
+        ),
+        (lambda x, y: x, r"must return \(samples, labels\) as two torch tensors, got Tensor"),
+        (
+            lambda x, y: (x, y[:-3]),
+            r"returned samples of shape \(40, 64\) and labels of shape \(37,\); give one label",
+        ),
+        (lambda x, y: (x, y[:, None]), r"returned samples of shape \(40, 64\) and labels of shape \(40, 1\)"),
+        (lambda x, y: (x, y.double() + 0.5), r"returned labels that are not whole numbers"),
+        (lambda x, y: (x, y - 1), r"returned a negative label \(-1\)"),
+    ],
+)
+def test_a_broken_load_split_is_one_line_naming_it(broken, match):
+    """These had ended in a traceback (numpy) or trained on mismatched samples and labels."""
+    with pytest.raises(ContractError, match=r"^data: _UserSplit\.load_split\(train=True\) " + match):
+        _UserSplit(broken).setup()
+
+
+def test_whole_float_labels_still_work():
+    dm = _UserSplit(lambda x, y: (x, y.float()))
+    ref = _UserSplit(lambda x, y: (x, y))
+    dm.setup()
+    ref.setup()
+    assert torch.equal(dm.train_y, ref.train_y) and dm.train_y.dtype == torch.long
+
+
+def test_a_dataset_without_load_split_is_one_line():
+    from fedshard_lightning.data.base import FederatedDataModule
+
+    class NoSplit(FederatedDataModule):
+        pass
+
+    with pytest.raises(ContractError, match=r"^data: NoSplit must implement load_split\(train\)"):
+        NoSplit(num_clients=2).setup()
