@@ -84,8 +84,9 @@ def run_audit(trainer: Any, tolerance: float) -> dict[str, Any]:
         cause = (
             "; ".join(notes)
             if notes
-            else "no difference in the recorded numerical environment: was the cache or model changed, "
-            "or fit run with trainer.batch_invariant false?"
+            else "no difference in the recorded numerical environment: were the cache, the model or the "
+            "training samples changed (the run's fingerprint covers the data's labels and partition, not "
+            "the sample values), or was fit run with trainer.batch_invariant false?"
         )
         result["lines"].append(f"likely cause: {cause}")
     for line in result["lines"]:

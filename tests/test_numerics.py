@@ -162,3 +162,34 @@ def test_unlearn_and_audit_use_fits_compile_setting(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "warning: numerics: compile: fit ran with False, this process had True; using fit's" in out
     assert res["max_abs_diff"] == 0.0 and "audit PASSED, bit-exact" in out
+
+
+def test_audit_after_the_samples_changed_names_the_data(tmp_path, capsys, monkeypatch):
+    """A user's dataset whose files changed values (same labels, same settings) passes the fingerprint.
+
+    The audit then fails with no numerical difference to name; the cause line had asked only
+    about the cache and the model.
+    """
+    from fedshard_lightning.data import SyntheticDataModule
+
+    tr = _trainer(tmp_path)
+    tr.fit(*_fresh())
+    _trainer(tmp_path).unlearn(*_fresh(), str(tr.run_dir), [3])
+    original = SyntheticDataModule.load_split
+
+    def edited(self, train):  # the same labels, other feature values
+        x, y = original(self, train)
+        return (x + 0.5, y) if train else (x, y)
+
+    monkeypatch.setattr(SyntheticDataModule, "load_split", edited)
+    assert not _trainer(tmp_path).audit(*_fresh(), str(tr.run_dir))["passed"]
+    out = capsys.readouterr().out
+    assert "audit FAILED" in out
+    assert (
+        "likely cause: no difference in the recorded numerical environment: were the cache, the model or the "
+        in out
+    )
+    assert (
+        "training samples changed (the run's fingerprint covers the data's labels and partition, not the sample "
+        in out
+    )
