@@ -22,6 +22,7 @@ Subclass example (a new model is a class plus a config entry)::
         def __init__(self, hidden: int = 32, **kwargs):
             super().__init__(**kwargs)
             self.hidden = hidden
+            self.net = None  # built in configure_model
 
         def configure_model(self) -> None:  # called once the data's shape is known
             if self.net is None:

@@ -198,3 +198,17 @@ def test_training_step_without_batch_idx_trains_and_unlearns_exactly(tmp_path, v
     _fit_unlearn_audit(tmp_path, NoBatchIdx, vectorize)
     if vectorize == "always":
         assert _stacked_minus_loop_float64(NoBatchIdx) <= 1e-10
+
+
+def test_the_module_docstring_example_trains(run_root):
+    """``fedshard_lightning/module.py``'s subclass example, as written: it had read ``self.net`` before setting it."""
+    import textwrap
+
+    import fedshard_lightning.module as module
+
+    doc = module.__doc__
+    code = textwrap.dedent(doc.split("Subclass example (a new model is a class plus a config entry)::")[1])
+    scope = {"FederatedModule": module.FederatedModule, "nn": nn}
+    exec(compile(code, "module-docstring", "exec"), scope)
+    metrics = tiny_trainer(run_root).fit(scope["TinyNet"](), tiny_data((4, 4)))
+    assert metrics["client_steps"] > 0 and 0.0 <= metrics["test_accuracy"] <= 1.0
