@@ -87,5 +87,9 @@ def test_every_block_of_the_extension_guide_runs(tmp_path, monkeypatch, capsys):
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
     assert [e["event"] for e in events].count("round") == 4 and events[-1]["event"] == "unlearn"
     assert "train_acc" in (run / "logs" / "metrics.csv").read_text().splitlines()[0]
+    assert (
+        "class_path: mypkg.fedmodel.TabMLP" in (tmp_path / "runs" / "version_1" / "config.yaml").read_text()
+    )
+    assert (tmp_path / "runs" / "version_1" / "model.safetensors").is_file()
     table = (tmp_path / "compare" / "compare.md").read_text()
     assert "| fedshard |" in table and "| isolated_shards |" in table
