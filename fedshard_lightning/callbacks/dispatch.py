@@ -16,6 +16,7 @@ from lightning.fabric import Fabric
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
 from fedshard_lightning.callbacks.base import FederatedCallback
+from fedshard_lightning.errors import ContractError
 
 __all__ = ["call_hook"]
 
@@ -56,4 +57,30 @@ def call_hook(fabric: Fabric, hook: str, *args: Any, **kwargs: Any) -> None:
             )
             continue
         names = _accepts(method)
-        method(*args, **(kwargs if names is None else {k: v for k, v in kwargs.items() if k in names}))
+        passed = kwargs if names is None else {k: v for k, v in kwargs.items() if k in names}
+        try:
+            method(*args, **passed)
+        except TypeError:
+            _check_signature(callback, hook, method, args, passed, kwargs)
+            raise
+
+
+def _check_signature(
+    callback: Any, hook: str, method: Any, args: tuple, passed: dict[str, Any], kwargs: dict[str, Any]
+) -> None:
+    """Name a hook whose parameters the call cannot fill (a renamed one), instead of a bare TypeError.
+
+    Hooks receive the trainer positionally and the rest by keyword, by name (as ``Fabric.call``
+    does): ``on_stage_end(self, trainer, stage, m)`` never gets ``m``. Only called once the hook
+    raised, so the rounds pay nothing; a TypeError from inside the hook's body is left alone.
+    """
+    try:
+        inspect.signature(method).bind(*args, **passed)
+    except TypeError as e:
+        wanted = ", ".join(["trainer", *kwargs])
+        raise ContractError(
+            f"trainer.callbacks: {type(callback).__name__}.{hook} cannot take the hook's arguments ({e}); "
+            f"name its parameters {wanted} (FederatedCallback.{hook}), or take **kwargs"
+        ) from None
+    except ValueError:  # no signature to bind
+        return

@@ -64,3 +64,31 @@ def test_same_calls_as_fabric_call(hook, extra):
     if hook == "on_round_end":
         assert [name for name, *_ in got[:5]] == ["subset", "everything", "plain", "lambda", "subset"]
         assert any("not callable" in w for w in got_warn)
+
+
+class Renamed(FederatedCallback):
+    def on_stage_end(self, trainer: Any, stage: int, m: dict) -> None:  # ``metrics`` renamed
+        raise AssertionError("never called")
+
+
+class BrokenBody(FederatedCallback):
+    def on_stage_end(self, trainer: Any, stage: int, metrics: dict) -> None:
+        len(5)  # the user's own TypeError
+
+
+def test_a_renamed_hook_parameter_is_one_line_naming_the_hook():
+    """Keywords are passed by name, as Fabric.call does; a renamed one had been a bare TypeError."""
+    from fedshard_lightning.errors import ContractError
+
+    fabric = Fabric(accelerator="cpu", devices=1, callbacks=[Renamed()])
+    with pytest.raises(
+        ContractError,
+        match=r"Renamed\.on_stage_end cannot take .* name its parameters trainer, stage, metrics",
+    ):
+        call_hook(fabric, "on_stage_end", "T", stage=0, metrics={})
+
+
+def test_a_type_error_inside_a_hook_is_left_alone():
+    fabric = Fabric(accelerator="cpu", devices=1, callbacks=[BrokenBody()])
+    with pytest.raises(TypeError, match="has no len"):
+        call_hook(fabric, "on_stage_end", "T", stage=0, metrics={})
