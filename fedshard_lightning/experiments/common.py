@@ -35,6 +35,7 @@ __all__ = [
     "mp_score",
     "request_cost",
     "run_cli",
+    "seeded_model",
     "with_seed",
     "write_json",
 ]
@@ -60,6 +61,26 @@ def minority_clients(datamodule: FederatedDataModule) -> list[int]:
     k_first = min(max(round(k * datamodule.label_split_fraction), 1), k - 1)
     first, second = list(range(k_first)), list(range(k_first, k))
     return first if len(first) < len(second) else second
+
+
+def seeded_model(model: L.LightningModule, seed: int) -> L.LightningModule:
+    """A copy of ``model`` whose built layers are drawn again from ``seed``, as ``fit`` draws them.
+
+    A FederatedModule built later (by the trainer, after it seeds) has no layers yet and is only
+    copied. A plain LightningModule built its layers in ``__init__``, from whatever the random
+    state held when the config was read: every invocation of an experiment started from other
+    weights, and every seed of one invocation from the same. ``reset_parameters`` of each layer
+    under ``torch.manual_seed(seed)`` draws them as constructing the model under that seed does
+    (layers registered in construction order); the caller's random state is left as it was.
+    """
+    out = copy.deepcopy(model)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for sub in out.modules():
+            reset = getattr(sub, "reset_parameters", None)
+            if sub is not out and callable(reset):
+                reset()
+    return out
 
 
 def with_seed(data: FederatedDataModule, seed: int) -> FederatedDataModule:
@@ -189,7 +210,7 @@ def fit_method(setting: ExperimentSetting, algorithm: Algorithm) -> MethodRun:
         enable_progress_bar=False,
         seed=setting.seed,
     )
-    metrics = trainer.fit(copy.deepcopy(setting.model), setting.datamodule)
+    metrics = trainer.fit(seeded_model(setting.model, setting.seed), setting.datamodule)
     params = {k: v.detach().clone() for k, v in algorithm.current_params().items()}
     run = MethodRun(trainer, algorithm, params, torch.zeros(0), metrics, {"holdout": setting.holdout})
     run.state = algorithm.state_dict()

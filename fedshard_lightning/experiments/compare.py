@@ -39,7 +39,7 @@ from fedshard_lightning.callbacks.task_progress import TaskProgress
 from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.errors import ConfigError
 from fedshard_lightning.experiments.budget import match_budget
-from fedshard_lightning.experiments.common import run_cli, with_seed
+from fedshard_lightning.experiments.common import run_cli, seeded_model, with_seed
 from fedshard_lightning.experiments.plots import plot_cost_distributions
 from fedshard_lightning.experiments.tables import COLUMNS, aggregate, write_tables
 from fedshard_lightning.metrics import efficiency_fairness
@@ -244,7 +244,7 @@ def _run_seed(
             wandb=wandb,
             seed=seed,
         )
-        metrics = trainer.fit(copy.deepcopy(model), copy.deepcopy(dm))
+        metrics = trainer.fit(seeded_model(model, seed), copy.deepcopy(dm))
         k = alg.num_clients
         if i == 0:
             ref_budget = int(metrics["client_steps"])

@@ -309,3 +309,40 @@ def test_compare_runs_a_plain_lightning_module(tmp_path, monkeypatch):
     )
     assert [r["method"] for r in res["rows"]] == ["fedshard", "fedavg"]
     assert all(r["fit_client_steps"] > 0 for r in res["rows"])
+
+
+def test_compare_draws_a_plain_modules_weights_from_the_seed(tmp_path, monkeypatch):
+    """A plain LightningModule is built when the config is read, before any seed: compare had
+    started every invocation from other weights (the same config gave 0.82 and 0.86), and every
+    seed from the same. Reference: the module constructed under ``torch.manual_seed(seed)``, as
+    ``fit --seed_everything seed`` constructs it."""
+    import torch
+
+    from fedshard_lightning.cache import FLCache
+
+    (tmp_path / "user_plain_net3.py").write_text(_PLAIN_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from user_plain_net3 import PlainNet
+
+    _, data = _setting()
+    theta0 = []
+    for i, state in enumerate([100, 200]):
+        torch.manual_seed(state)  # whatever the process drew before the config was read
+        res = compare(
+            output_dir=str(tmp_path / f"out{i}"),
+            algorithms=[FedAvg(rounds=1, batch_size=5)],
+            model=PlainNet(),
+            data=data,
+            seeds=[0, 1],
+            clients=[1],
+            mia=False,
+        )
+        theta0.append(
+            [FLCache(Path(r["run_dir"]) / "cache").tensors("theta0.safetensors") for r in res["rows"]]
+        )
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        reference = PlainNet().state_dict()
+        for run in theta0:
+            assert all(torch.equal(run[seed][k], reference[k]) for k in reference)
+    assert not torch.equal(theta0[0][0]["net.weight"], theta0[0][1]["net.weight"])
