@@ -13,7 +13,9 @@ A model may keep its learning rate in an attribute instead of a constructor argu
 (a plain ``LightningModule`` without ``save_hyperparameters``). So ``cache/FINGERPRINT`` also
 records the client optimizer as ``configure_optimizers`` builds it (:func:`optimizer_body`), and
 a resume, ``unlearn``, ``audit`` or ``test`` with another one is refused (:meth:`.RunStore.check`).
-It is kept out of the hash, so runs fitted before it was recorded keep their fingerprint.
+It is kept out of the hash, so runs fitted before it was recorded keep their fingerprint. The
+training samples' values are recorded the same way (:func:`values_digest`): the hash covers the
+labels and the partition, and an edited data file with the same labels is refused by the same check.
 """
 
 from __future__ import annotations
@@ -24,10 +26,17 @@ from typing import Any
 
 from fedshard_lightning.init_args import init_args
 
-__all__ = ["body_fingerprint", "fingerprint", "fingerprint_body", "optimizer_body", "readable_body"]
+__all__ = [
+    "body_fingerprint",
+    "fingerprint",
+    "fingerprint_body",
+    "optimizer_body",
+    "readable_body",
+    "values_digest",
+]
 
 #: What :func:`readable_body` adds to :func:`fingerprint_body` without hashing it.
-_UNHASHED = ("data_settings", "optimizer")
+_UNHASHED = ("data_settings", "optimizer", "data_values")
 
 #: Rounds of the scheduler's learning rates recorded (a changed schedule shows in its first rates).
 SCHEDULE_ROUNDS = 4
@@ -65,7 +74,23 @@ def readable_body(model: Any, datamodule: Any, algorithm: Any, seed: int) -> dic
         **fingerprint_body(model, datamodule, algorithm, seed),
         "data_settings": init_args(datamodule),
         "optimizer": optimizer_body(model),
+        "data_values": values_digest(datamodule),
     }
+
+
+def values_digest(datamodule: Any) -> str | None:
+    """SHA-256 (32 hex digits) of the training samples' values, or None when the data has no ``train_x``.
+
+    The hashed fingerprint covers the labels and the partition, not the values: an edited data
+    file with the same labels would be retrained in silence, and the audit would then fail.
+    """
+    x = getattr(datamodule, "train_x", None)
+    if not hasattr(x, "detach"):
+        return None
+    arr = x.detach().cpu().contiguous().numpy()
+    h = hashlib.sha256(str(arr.dtype).encode() + str(arr.shape).encode())
+    h.update(memoryview(arr.reshape(-1).view("uint8")))
+    return h.hexdigest()[:32]
 
 
 def optimizer_body(model: Any) -> dict[str, Any]:

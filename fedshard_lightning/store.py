@@ -109,7 +109,7 @@ class RunStore:
                 f"{self.cache.root} was made with another config or dataset ({what}); use the config that "
                 "created the run (its config.yaml)"
             )
-        self._same_optimizer(was, self.body.get("optimizer"))
+        self._same_recorded(was, self.body)
         self.requests = list(manifest.get("requests", []))
         return manifest
 
@@ -137,18 +137,29 @@ class RunStore:
                     f"{self.cache.root.parent} was started with another config or dataset ({first_difference(was, body)}); "
                     "resume it with its own config.yaml (leave out the changed setting)"
                 )
-            self._same_optimizer(was, body.get("optimizer"))
+            self._same_recorded(was, body)
         elif self.write and not self.cache.exists() and not path.is_file():
             atomic_write_json(path, {"fingerprint": self.fingerprint, "body": body})
 
-    def _same_optimizer(self, was: Any, optimizer: Any) -> None:
-        """Refuse another client optimizer than fit's, where fit recorded it (runs before it did: no check)."""
-        recorded = was.get("optimizer") if isinstance(was, dict) else None
-        if recorded is not None and optimizer is not None and recorded != optimizer:
+    def _same_recorded(self, was: Any, body: dict[str, Any]) -> None:
+        """Refuse another client optimizer or other training samples than fit's, where fit recorded them.
+
+        Runs fitted before a key was recorded have no value for it and are not checked.
+        """
+        recorded = was if isinstance(was, dict) else {}
+        opt_was, opt_now = recorded.get("optimizer"), body.get("optimizer")
+        if opt_was is not None and opt_now is not None and opt_was != opt_now:
             raise CacheError(
                 f"{self.cache.root.parent} was trained with another client optimizer "
-                f"({first_difference({'optimizer': recorded}, {'optimizer': optimizer})}); "
+                f"({first_difference({'optimizer': opt_was}, {'optimizer': opt_now})}); "
                 "use the model settings the run was fitted with (its config.yaml)"
+            )
+        values_was, values_now = recorded.get("data_values"), body.get("data_values")
+        if values_was is not None and values_now is not None and values_was != values_now:
+            raise CacheError(
+                f"{self.cache.root.parent} was trained on other training samples (the same labels and "
+                f"partition, other values: data_values {values_was} in the run, {values_now} now); "
+                "use the data files the run was fitted with"
             )
 
     def commit(

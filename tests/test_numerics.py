@@ -164,24 +164,53 @@ def test_unlearn_and_audit_use_fits_compile_setting(tmp_path, capsys):
     assert res["max_abs_diff"] == 0.0 and "audit PASSED, bit-exact" in out
 
 
-def test_audit_after_the_samples_changed_names_the_data(tmp_path, capsys, monkeypatch):
-    """A user's dataset whose files changed values (same labels, same settings) passes the fingerprint.
-
-    The audit then fails with no numerical difference to name; the cause line had asked only
-    about the cache and the model.
-    """
+def _edit_training_samples(monkeypatch) -> None:
+    """The same labels and settings, other feature values: what an edited data file gives."""
     from fedshard_lightning.data import SyntheticDataModule
 
-    tr = _trainer(tmp_path)
-    tr.fit(*_fresh())
-    _trainer(tmp_path).unlearn(*_fresh(), str(tr.run_dir), [3])
     original = SyntheticDataModule.load_split
 
-    def edited(self, train):  # the same labels, other feature values
+    def edited(self, train):
         x, y = original(self, train)
         return (x + 0.5, y) if train else (x, y)
 
     monkeypatch.setattr(SyntheticDataModule, "load_split", edited)
+
+
+def test_other_training_samples_are_refused_before_any_retraining(tmp_path, monkeypatch):
+    """The hashed fingerprint covers labels and partition; the recorded values digest covers the rest.
+
+    Before, an edited data file with the same labels was unlearned on in silence and the audit
+    then failed. Reference: the digest of the samples as fit saw them, recomputed with hashlib.
+    """
+    import hashlib
+
+    from fedshard_lightning.errors import CacheError
+
+    tr = _trainer(tmp_path)
+    model, data = _fresh()
+    tr.fit(model, data)
+    x = data.train_x.cpu().contiguous().numpy()
+    want = hashlib.sha256(f"{x.dtype}{x.shape}".encode() + x.tobytes()).hexdigest()[:32]
+    recorded = json.loads((tr.run_dir / "cache" / "FINGERPRINT").read_text())["body"]["data_values"]
+    assert recorded == want
+    _edit_training_samples(monkeypatch)
+    for call, args in (("unlearn", ([3],)), ("audit", ()), ("test", ())):
+        with pytest.raises(CacheError, match=r"was trained on other training samples .* use the data files"):
+            getattr(_trainer(tmp_path), call)(*_fresh(), str(tr.run_dir), *args)
+    assert not (tr.run_dir / "unlearning").exists()
+
+
+def test_audit_of_a_run_without_a_values_digest_names_the_samples_as_a_cause(tmp_path, capsys, monkeypatch):
+    """Runs fitted before the digest was recorded are not refused; their failed audit names the data."""
+    tr = _trainer(tmp_path)
+    tr.fit(*_fresh())
+    _trainer(tmp_path).unlearn(*_fresh(), str(tr.run_dir), [3])
+    path = tr.run_dir / "cache" / "FINGERPRINT"
+    recorded = json.loads(path.read_text())
+    del recorded["body"]["data_values"]
+    path.write_text(json.dumps(recorded))
+    _edit_training_samples(monkeypatch)
     assert not _trainer(tmp_path).audit(*_fresh(), str(tr.run_dir))["passed"]
     out = capsys.readouterr().out
     assert "audit FAILED" in out
