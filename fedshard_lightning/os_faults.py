@@ -61,7 +61,15 @@ def describe(e: OSError) -> tuple[int, str]:
     reason = e.strerror or str(e)
     fix = _FIXES.get(code, "check the disk and the path")
     removed = getattr(e, "removed_run_dir", None)  # set by fit when the run held nothing to keep
-    again = f"then run the fit again (nothing was committed, so {removed} was removed)" if removed else _AGAIN
+    committed = getattr(e, "committed_request", None)  # set by unlearn after its cache commit
+    again = _AGAIN
+    if removed:
+        again = f"then run the fit again (nothing was committed, so {removed} was removed)"
+    elif committed:
+        again = (
+            f"then run any command on the run (test, audit, unlearn): request {committed:04d} is committed "
+            "in the cache, and loading the run writes its model and reports"
+        )
     return code, f"error: {reason} ({name}) at {_path(e)}: {fix}, {again}"
 
 

@@ -193,19 +193,11 @@ def apply_request(trainer: Any, clients: Any) -> dict[str, Any]:
     store.requests.append(report)
     if trainer.is_global_zero:
         report["cache_version"] = store.commit(alg, f"unlearn-{number:04d}", True, alg.engine.mode)
-        trainer._write_model(result.params)
-        rdir = trainer.run_dir / "unlearning" / f"{number:04d}"
-        rdir.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(rdir / "report.json", report)
-        atomic_write_json(trainer.run_dir / "unlearn_report.json", report)
-        journal.append(
-            {
-                "event": "committed",
-                "request": number,
-                "clients": ids,
-                "cache_version": report["cache_version"],
-            }
-        )
+        try:
+            _write_request_files(trainer, journal, number, ids, result.params, report)
+        except OSError as e:  # the request is in the cache: its one line must not ask to redo it
+            e.committed_request = number
+            raise
     call_hook(trainer.fabric, "on_unlearn_end", trainer, report=report)
     finish_loggers(trainer.fabric.loggers, trainer.wandb, trainer.run_dir, trainer.log_step_start + 1)
     trainer._print(
@@ -215,3 +207,17 @@ def apply_request(trainer: Any, clients: Any) -> dict[str, Any]:
         f"report: {trainer.run_dir / 'unlearn_report.json'}"
     )
     return report
+
+
+def _write_request_files(
+    trainer: Any, journal: Journal, number: int, ids: list[int], params: Any, report: dict[str, Any]
+) -> None:
+    """After the commit: the model, the reports and the journal's line (the next load repairs any of them)."""
+    trainer._write_model(params)
+    rdir = trainer.run_dir / "unlearning" / f"{number:04d}"
+    rdir.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(rdir / "report.json", report)
+    atomic_write_json(trainer.run_dir / "unlearn_report.json", report)
+    journal.append(
+        {"event": "committed", "request": number, "clients": ids, "cache_version": report["cache_version"]}
+    )

@@ -196,6 +196,12 @@ def test_disk_full_at_unlearn_report_json_is_repaired_by_the_next_load(reference
     assert json.loads((run / "unlearn_report.json").read_text())["request"] == 1, (
         "the fault hit after the commit"
     )
+    # Its one line says the request is in (it had said "run the command again", which then answered
+    # "already unlearned by request 0002; nothing to do").
+    assert stderr.strip().endswith(
+        "then run any command on the run (test, audit, unlearn): request 0002 is committed in the cache, "
+        "and loading the run writes its model and reports"
+    ), stderr
     assert cli(["test", "--ckpt_path", str(run)])[0] == 0
     # The reference: the cache's request log (2 requests) and the request's own report file.
     assert [r["clients"] for r in FLCache(run / "cache").manifest()["requests"]] == [[2], [5]]
