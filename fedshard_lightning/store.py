@@ -147,20 +147,24 @@ class RunStore:
         Runs fitted before a key was recorded have no value for it and are not checked.
         """
         recorded = was if isinstance(was, dict) else {}
-        opt_was, opt_now = recorded.get("optimizer"), body.get("optimizer")
-        if opt_was is not None and opt_now is not None and opt_was != opt_now:
-            raise CacheError(
-                f"{self.cache.root.parent} was trained with another client optimizer "
-                f"({first_difference({'optimizer': opt_was}, {'optimizer': opt_now})}); "
-                "use the model settings the run was fitted with (its config.yaml)"
-            )
-        values_was, values_now = recorded.get("data_values"), body.get("data_values")
-        if values_was is not None and values_now is not None and values_was != values_now:
-            raise CacheError(
-                f"{self.cache.root.parent} was trained on other training samples (the same labels and "
-                f"partition, other values: data_values {values_was} in the run, {values_now} now); "
-                "use the data files the run was fitted with"
-            )
+        for key, what, fix in (
+            (
+                "optimizer",
+                "another client optimizer",
+                "the model settings the run was fitted with (its config.yaml)",
+            ),
+            (
+                "data_values",
+                "other training samples (same labels and partition)",
+                "the data files it was fitted on",
+            ),
+        ):
+            then, now = recorded.get(key), body.get(key)
+            if then is not None and now is not None and then != now:
+                raise CacheError(
+                    f"{self.cache.root.parent} was trained with {what} "
+                    f"({first_difference({key: then}, {key: now})}); use {fix}"
+                )
 
     def commit(
         self, algorithm: Algorithm, label: str, complete: bool, vectorize_mode: str | None

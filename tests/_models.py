@@ -164,9 +164,9 @@ class CumulativeBNMLP(PlainMLP):
 class Plain(L.LightningModule):
     """A plain LightningModule: MLP, SGD with momentum and weight decay."""
 
-    def __init__(self) -> None:
+    def __init__(self, inputs: int = 10, classes: int = 4) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 4))
+        self.net = nn.Sequential(nn.Linear(inputs, 16), nn.ReLU(), nn.Linear(16, classes))
 
     def forward(self, x):
         return self.net(x)

@@ -256,53 +256,26 @@ def test_wandb_table_has_the_spread_over_seeds(tmp_path):
             assert got[f"{header}, sample std"] == pytest.approx(std, rel=1e-6, abs=1e-12)
 
 
-_PLAIN_MODULE = """
-import lightning as L
-import torch
-import torch.nn.functional as F
-
-
-class PlainNet(L.LightningModule):
-    def __init__(self, width: int = 4):
-        super().__init__()
-        self.net = torch.nn.Linear(6, 3)
-
-    def forward(self, x):
-        return self.net(x)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return F.cross_entropy(self(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-"""
-
-
 @pytest.mark.parametrize("experiment", ["compare", "cascade", "poisoning"])
 def test_experiments_take_a_plain_lightning_module_by_class_path(experiment, tmp_path, monkeypatch, capsys):
     """The README's "your own model" is a plain LightningModule; the experiments had typed FederatedModule."""
     import importlib
 
-    (tmp_path / "user_plain_net.py").write_text(_PLAIN_MODULE)
-    monkeypatch.syspath_prepend(str(tmp_path))
     main = importlib.import_module(f"fedshard_lightning.experiments.{experiment}").main
-    with pytest.raises(SystemExit) as e:
-        main(["--model", "user_plain_net.PlainNet", "--model.width", "5", "--print_config"])
+    with pytest.raises(SystemExit) as e:  # tests/ is on sys.path, as a user's package would be
+        main(["--model", "_models.Plain", "--model.inputs", "6", "--print_config"])
     assert e.value.code == 0
-    assert "class_path: user_plain_net.PlainNet" in capsys.readouterr().out
+    assert "class_path: _models.Plain" in capsys.readouterr().out
 
 
 def test_compare_runs_a_plain_lightning_module(tmp_path, monkeypatch):
-    (tmp_path / "user_plain_net2.py").write_text(_PLAIN_MODULE)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    from user_plain_net2 import PlainNet
+    from _models import Plain
 
     _, data = _setting()
     res = compare(
         output_dir=str(tmp_path / "out"),
         algorithms=[FedShard(rounds="fixed", fixed_rounds=1, batch_size=5), FedAvg(rounds=1, batch_size=5)],
-        model=PlainNet(),
+        model=Plain(inputs=6, classes=3),
         data=data,
         clients=[1],
         mia=False,
@@ -317,12 +290,9 @@ def test_compare_draws_a_plain_modules_weights_from_the_seed(tmp_path, monkeypat
     seed from the same. Reference: the module constructed under ``torch.manual_seed(seed)``, as
     ``fit --seed_everything seed`` constructs it."""
     import torch
+    from _models import Plain
 
     from fedshard_lightning.cache import FLCache
-
-    (tmp_path / "user_plain_net3.py").write_text(_PLAIN_MODULE)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    from user_plain_net3 import PlainNet
 
     _, data = _setting()
     theta0 = []
@@ -331,7 +301,7 @@ def test_compare_draws_a_plain_modules_weights_from_the_seed(tmp_path, monkeypat
         res = compare(
             output_dir=str(tmp_path / f"out{i}"),
             algorithms=[FedAvg(rounds=1, batch_size=5)],
-            model=PlainNet(),
+            model=Plain(inputs=6, classes=3),
             data=data,
             seeds=[0, 1],
             clients=[1],
@@ -342,7 +312,7 @@ def test_compare_draws_a_plain_modules_weights_from_the_seed(tmp_path, monkeypat
         )
     for seed in (0, 1):
         torch.manual_seed(seed)
-        reference = PlainNet().state_dict()
+        reference = Plain(inputs=6, classes=3).state_dict()
         for run in theta0:
             assert all(torch.equal(run[seed][k], reference[k]) for k in reference)
-    assert not torch.equal(theta0[0][0]["net.weight"], theta0[0][1]["net.weight"])
+    assert not torch.equal(theta0[0][0]["net.0.weight"], theta0[0][1]["net.0.weight"])
