@@ -196,7 +196,9 @@ def test_other_training_samples_are_refused_before_any_retraining(tmp_path, monk
     assert recorded == want
     _edit_training_samples(monkeypatch)
     for call, args in (("unlearn", ([3],)), ("audit", ()), ("test", ())):
-        with pytest.raises(CacheError, match=r"was trained with other training samples .* use the data files"):
+        with pytest.raises(
+            CacheError, match=r"was trained with other training samples .* use the data files"
+        ):
             getattr(_trainer(tmp_path), call)(*_fresh(), str(tr.run_dir), *args)
     assert not (tr.run_dir / "unlearning").exists()
 
