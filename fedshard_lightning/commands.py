@@ -78,8 +78,8 @@ def run_audit(trainer: Any, tolerance: float) -> dict[str, Any]:
         notes = list(trainer.numerics_notes)
         if dtype not in (torch.float32, torch.float64):  # the stacked step is invariant in these only
             notes.append(
-                f"dtype {dtype}: exactness is certified in float32 and float64 only (in half precision "
-                "a client's stacked rounding depends on its neighbours); use 32-true, or audit with --tolerance"
+                f"dtype {dtype}: exactness is certified in float32 and float64 only (in half precision some CPU "
+                "kernels round an element by its position in the stacked call); use 32-true, or audit with --tolerance"
             )
         cause = (
             "; ".join(notes)

@@ -31,6 +31,7 @@ from fedshard_lightning.engine.kernel_choice import choose_kernel
 from fedshard_lightning.engine.mixed_sizes import mixed_sizes_fixed, mixed_sizes_split
 from fedshard_lightning.engine.optim import OptimizerSpec, RoundLR, fused_sgd_lr, round_lr, shrink_optimizer
 from fedshard_lightning.engine.plan_ahead import BatchPlans
+from fedshard_lightning.engine.row_optim import RowOptimizer, needs_rows
 from fedshard_lightning.engine.schedule import LocalSchedule
 from fedshard_lightning.engine.stacked import ConvMode, Kernel, KernelChoice, StackedProgram
 from fedshard_lightning.engine.step_context import NotVectorizable, StepContext, step_keys, step_loss
@@ -267,7 +268,11 @@ class LocalTrainer:
         cbuf = {_PREFIX + n: start[n].index_select(0, pick) for n in self.buffer_names}
         # Fused SGD needs no optimizer; only autograd steps read shared buffers and random keys (a
         # round's fixed cost matters when it trains one or two clients: unlearning's lower stages).
-        opt = spec.build(leaves, _PREFIX) if fused is None else None
+        # Half precision on the CPU steps each client's row alone (see .row_optim).
+        opt: Any = None
+        if fused is None:
+            rowwise = needs_rows(self.dtype, device)
+            opt = RowOptimizer(spec, leaves, _PREFIX) if rowwise else spec.build(leaves, _PREFIX)
         buffers: dict[str, Tensor] = {}
         keys_all = torch.zeros(0)  # [S, m] in step order, for autograd steps
         if chain is None:
@@ -286,7 +291,9 @@ class LocalTrainer:
             elif m_s < m:
                 self._retire(out, {**leaves, **cbuf}, order_t, m_s, m)
                 new = {k: v.detach()[:m_s].requires_grad_() for k, v in leaves.items()}
-                if opt is not None:
+                if isinstance(opt, RowOptimizer):
+                    opt.shrink(new, m_s)
+                elif opt is not None:
                     shrink_optimizer(opt, list(leaves.values()), list(new.values()), m_s)
                 leaves, m = new, m_s
                 cbuf = {k: v[:m_s] for k, v in cbuf.items()}
