@@ -215,6 +215,10 @@ class FederatedEngine:
             return self.local.train_stacked(state, batch, rows)
         return train_in_blocks(self.local, q, state, rows, batch)
 
+    def _stacked_call(self, state: dict[str, Tensor], batch: ClientBatch) -> LocalResult:
+        rows = torch.arange(len(batch.clients), device=next(iter(state.values())).device)
+        return self._run_stacked(state, rows, batch)
+
     def invariant_block(self) -> int | None:
         """Clients per fixed-shape stacked call, or None where the stacked kernels need none.
 
@@ -262,7 +266,13 @@ class FederatedEngine:
                 self._decide_on(*sample)
 
     def _decide_on(self, start: dict[str, Tensor], batch: ClientBatch) -> None:
-        """``auto``: probe the two paths on these clients; ``always``: check that they agree."""
+        """``auto``: probe the two paths on these clients; ``always``: check that they agree.
+
+        Both also train a few clients alone and among others (neighbours.py) where the engine
+        promises batch invariance: on the CPU, with ``batch_invariant``.
+        """
+        invariant = self.batch_invariant and not self._cuda
+        self.local.neighbour_run = self._stacked_call if invariant else None
         with one_sample_batchnorm(type(self.module).__name__, f"stage {batch.stage}, round {batch.round}"):
             if self._mode is None:
                 self._mode = self._probe(start, batch)

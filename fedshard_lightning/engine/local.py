@@ -16,7 +16,7 @@ per distinct batch size at that step.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -118,6 +118,8 @@ class LocalTrainer:
         # torch.compile of the stacked step (the hand-written chain step, or the fx program's
         # forward; vmap stays eager). Set through FederatedEngine(compile=True).
         self.compiled = False
+        # The engine's stacked call (its padding included), where it promises batch invariance.
+        self.neighbour_run: Callable[[dict[str, Tensor], ClientBatch], LocalResult] | None = None
         self._compiled: dict[str, Any] = {}
         self.loop_uses_spec = False
         self._fused: tuple[OptimizerSpec | None, dict[str, float] | None] = (None, None)

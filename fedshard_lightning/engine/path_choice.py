@@ -31,6 +31,7 @@ from torch import Tensor
 from fedshard_lightning.engine.client_loop import ClientBatch, LocalResult
 from fedshard_lightning.engine.groups import Group
 from fedshard_lightning.engine.local import LocalTrainer
+from fedshard_lightning.engine.neighbours import neighbour_dependence
 from fedshard_lightning.engine.round_plan import RoundPlan
 from fedshard_lightning.engine.schedule import LocalSchedule
 from fedshard_lightning.engine.step_context import NotVectorizable
@@ -47,8 +48,8 @@ __all__ = [
 ]
 
 # The probe's version: decisions kept on disk by a probe that did not compare the paths' losses
-# are made again.
-_PROBE = "probe 2 (losses compared)"
+# and a client's bits alone and among others (neighbours.py) are made again.
+_PROBE = "probe 3 (losses and neighbours compared)"
 
 # Decisions of this process: signature -> (path, reason).
 _DECIDED: dict[str, tuple[str, str]] = {}
@@ -84,6 +85,7 @@ def path_signature(local: LocalTrainer, batch: ClientBatch) -> str:
             f"optimizer {local.spec.cls.__name__}",
             f"kernel {local.kernel} {local.conv_mode} compiled={local.compiled}",
             f"threads {torch.get_num_threads()}",
+            f"neighbours {'probed' if local.neighbour_run is not None else 'free'}",
             f"torch {torch.__version__}",
             f"cpus {os.cpu_count()}",
         ]
@@ -170,7 +172,8 @@ def check_agreement(local: LocalTrainer, start: dict[str, Tensor], batch: Client
     the process, and on disk beside ``auto``'s decisions); the fit's results are not touched.
 
     Raises:
-        ConfigError: If the two paths' losses differ beyond rounding.
+        ConfigError: If the two paths' losses differ beyond rounding, or a client's bits depend
+            on the clients beside it (:func:`.neighbours.neighbour_dependence`).
     """
     signature = f"always|{path_signature(local, batch)}"
     if signature in _AGREED:
@@ -189,6 +192,11 @@ def check_agreement(local: LocalTrainer, start: dict[str, Tensor], batch: Client
             f"{off:.1e} (relative) in two local steps, so training_step does something vmap does not "
             "batch exactly; set trainer.vectorize to auto or never"
         )
+    dependent = neighbour_dependence(local, start, batch)
+    if dependent is not None:
+        raise ConfigError(
+            f"trainer.vectorize=always: {dependent}: {_unexact(start)}; set trainer.vectorize to auto or never"
+        )
     _AGREED.add(signature)
     if path is not None:
         _persist(path, key, signature, "agrees", f"vectorize: always; losses agree within {off:.1e}")
@@ -201,6 +209,12 @@ def _kept(signature: str, modes: tuple[str, ...]) -> tuple[str, Path | None, dic
     entry = _read(path).get(key) if path is not None else None
     ok = isinstance(entry, dict) and entry.get("signature") == signature and entry.get("mode") in modes
     return key, path, entry if ok else None
+
+
+def _unexact(start: dict[str, Tensor]) -> str:
+    """``float32 unlearning would not be bit-exact`` (with the run's dtype)."""
+    dtype = str(next(iter(start.values())).dtype).removeprefix("torch.")
+    return f"{dtype} unlearning would not be bit-exact"
 
 
 def _sizes(batch: ClientBatch) -> dict[str, int]:
@@ -286,7 +300,8 @@ def time_paths(local: LocalTrainer, start: dict[str, Tensor], batch: ClientBatch
     The stacked kernel runs up to 8 clients (its cost per client falls with more clients, so
     this is conservative) and the loop 2 (its cost is linear in clients); each is timed twice,
     interleaved, and its best time per client counts, so one preempted run on a busy machine
-    does not decide. The issue-7 digits profile spent 88 ms here with 8 looped clients.
+    does not decide. The issue-7 digits profile spent 88 ms here with 8 looped clients. A model
+    whose stacked bits depend on the neighbouring clients takes the loop untimed.
 
     Args:
         local: The engine's local trainer.
@@ -303,6 +318,9 @@ def time_paths(local: LocalTrainer, start: dict[str, Tensor], batch: ClientBatch
             f"vectorize: auto; the stacked clients' losses differ from the per-client loop's by {off:.1e} "
             "(relative) in two local steps: training_step does something vmap does not batch exactly"
         )
+    dependent = neighbour_dependence(local, start, batch)
+    if dependent is not None:
+        return "loop", f"vectorize: auto; {dependent}: {_unexact(start)}"
     runs = _runs(local, batch, sizes)
     full = local.schedule
     local.schedule = LocalSchedule(batch_size=full.batch_size, local_steps=2)

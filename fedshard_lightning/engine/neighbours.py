@@ -1,0 +1,100 @@
+"""Whether a stacked client's bits depend on the clients that share its call (probed once per model).
+
+Unlearning replays a shard with other clients beside each one than the original fit had, so it
+is bit-exact only if a client's result is the same whoever shares its stacked call. The engine's
+own kernels keep that (one GEMM per client, fixed-shape calls where kernels vary with the client
+count), but an elementwise operator may not: on the CPU, float32 ``sigmoid``, ``silu``, ``elu``,
+``mish``, ``softplus`` and tanh-``gelu`` (forward or backward) round a tensor's vectorized body
+and its scalar tail differently, and which of a client's elements fall in the tail depends on its
+row and on how many clients are stacked. No list of operators can be complete (a user's
+``training_step`` may call anything), so :func:`neighbour_dependence` trains a few clients both
+alone and among others, through the engine's own stacked call, and compares the bits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import Tensor
+
+from fedshard_lightning.engine.client_loop import ClientBatch, LocalResult
+from fedshard_lightning.engine.local import LocalTrainer
+from fedshard_lightning.engine.schedule import LocalSchedule
+
+__all__ = ["NEIGHBOURS_REASON", "neighbour_dependence", "two_local_steps"]
+
+NEIGHBOURS_REASON = "stacked results depend on the neighbouring clients"
+
+
+@contextlib.contextmanager
+def two_local_steps(local: LocalTrainer) -> Iterator[None]:
+    """Run ``local``'s calls for two local steps per client (the probes' length), then restore."""
+    full = local.schedule
+    local.schedule = LocalSchedule(batch_size=full.batch_size, local_steps=2)
+    try:
+        yield
+    finally:
+        local.schedule = full
+
+
+def neighbour_dependence(local: LocalTrainer, start: dict[str, Tensor], batch: ClientBatch) -> str | None:
+    """What differs when a client trains among others rather than alone, or None (nothing; not probed).
+
+    Up to 8 of ``batch``'s clients (a lone client beside a copy of itself) train for two local
+    steps through ``local.neighbour_run`` (the engine's stacked call, padded as the engine pads)
+    in their order and reversed, and the first and the last alone; every client's parameters and
+    loss must be bit for bit the same in each call it was in. Reversing moves every client but a
+    middle one to another row; alone, a client's tensors end where its own rows end. The fit's
+    results are not touched.
+
+    Args:
+        local: The engine's local trainer (``neighbour_run`` None: the engine promises no
+            invariance here, nothing is probed).
+        start: Starting state of ``batch``'s clients, one row per client.
+        batch: The first chunk of the first round.
+    """
+    run = local.neighbour_run
+    if run is None:
+        return None
+    k = min(len(batch.clients), 8)
+    order = list(range(k)) if k > 1 else [0, 0]
+    calls = [order, order[::-1], order[:1], order[-1:]]
+    with two_local_steps(local):
+        results = [_call(run, start, batch, c) for c in calls]
+    seen: dict[int, tuple[int, int]] = {}  # client position in ``batch`` -> (call, row) first seen
+    for ci, (call, res) in enumerate(zip(calls, results)):
+        for row, pos in enumerate(call):
+            if pos not in seen:
+                seen[pos] = (ci, row)
+                continue
+            first = results[seen[pos][0]]
+            frow = seen[pos][1]
+            for name, got in [*res.params.items(), ("loss", res.loss_sum)]:
+                want = first.loss_sum if name == "loss" else first.params[name]
+                if not _same(got[row], want[frow]):
+                    return (
+                        f"{NEIGHBOURS_REASON} (client {batch.clients[pos]}'s {name} after two local "
+                        f"steps: row {frow} of {len(calls[seen[pos][0]])} clients vs row {row} of {len(call)})"
+                    )
+    return None
+
+
+def _call(
+    run: Callable[[dict[str, Tensor], ClientBatch], LocalResult],
+    start: dict[str, Tensor],
+    batch: ClientBatch,
+    order: list[int],
+) -> LocalResult:
+    """``run`` of ``batch``'s clients at positions ``order``, each from its own start row."""
+    idx = torch.tensor(order, device=next(iter(start.values())).device)
+    sub = ClientBatch(
+        [batch.clients[i] for i in order], [batch.groups[i] for i in order], batch.stage, batch.round
+    )
+    return run({n: v.index_select(0, idx) for n, v in start.items()}, sub)
+
+
+def _same(a: Tensor, b: Tensor) -> bool:
+    """Equal values, NaN where the other is NaN (a diverged client is training's to report)."""
+    return bool(((a == b) | (a.isnan() & b.isnan())).all())
