@@ -7,8 +7,9 @@ constructor argument of model, data and algorithm). A W&B run is named after its
 method and seed), and its id is stored in ``RUN/wandb.json`` so that later ``unlearn``, ``audit``
 and ``test`` commands and a resumed ``fit`` log into the same W&B run. Offline runs live in
 ``RUN/wandb_files/wandb/offline-run-*``; ``wandb sync RUN/wandb_files/wandb/offline-run-*``
-uploads them. TensorBoard (``tensorboard: true``, extra ``[tb]``) writes into ``RUN/tensorboard/fit``
-(and ``RUN/tensorboard/unlearn-N`` ...), hyper-parameters included: ``tensorboard --logdir RUN``.
+uploads them (a resumed fit replaces its interrupted segments: :mod:`~.wandb_segments`).
+TensorBoard (``tensorboard: true``, extra ``[tb]``) writes into ``RUN/tensorboard/fit`` (and
+``RUN/tensorboard/unlearn-N`` ...), hyper-parameters included: ``tensorboard --logdir RUN``.
 
 Fabric never finalizes loggers, so :func:`finish_loggers` does (and closes the W&B run).
 """
@@ -30,8 +31,10 @@ from lightning.fabric.loggers import CSVLogger, Logger
 from fedshard_lightning.cache_io import read_json_object
 from fedshard_lightning.errors import ConfigError
 from fedshard_lightning.init_args import init_args
+from fedshard_lightning.wandb_segments import record_fit_segment, supersede_fit_segments
 
 __all__ = [
+    "close_wandb_run",
     "finish_loggers",
     "log_result",
     "log_wandb_report",
@@ -251,8 +254,15 @@ def run_loggers(trainer: Any, run_dir: Path, command: str, resume: bool = False)
         CSVLogger(root_dir=str(run_dir), name="logs", version=version, flush_logs_every_n_steps=2**62)
     ]
     hparams = run_hparams(trainer)
+    # A resumed fit logs the CSV's kept rows into the loggers that lack them (see restore_csv_history).
+    trainer.restore_loggers = loggers[:1]
+    wandb_logger = None
     if trainer.wandb:
-        loggers.append(_wandb_logger(run_dir, trainer, hparams))
+        replay = command == "fit" and supersede_fit_segments(run_dir, trainer.wandb_mode == "offline")
+        wandb_logger = _wandb_logger(run_dir, trainer, hparams)
+        loggers.append(wandb_logger)
+        if replay and resume:
+            trainer.restore_loggers = [loggers[0], wandb_logger]
     if getattr(trainer, "tensorboard", False):
         purge = _resume_step(trainer.csv_history) if resume else None
         loggers.append(tensorboard_logger(run_dir, version or "fit", purge))
@@ -260,6 +270,8 @@ def run_loggers(trainer: Any, run_dir: Path, command: str, resume: bool = False)
     for logger in loggers:
         with contextlib.suppress(NotImplementedError):  # Fabric's CSVLogger: config.yaml holds them
             logger.log_hyperparams(hparams)
+    if wandb_logger is not None and command == "fit":
+        record_fit_segment(run_dir, wandb_logger)
     return loggers
 
 
@@ -281,15 +293,18 @@ def _resume_step(rows: list[dict[str, str]]) -> int:
     return max(ends, default=-1) + 1
 
 
-def restore_csv_history(logger: Logger, rows: list[dict[str, str]]) -> tuple[int, int]:
+def restore_csv_history(loggers: Sequence[Logger], rows: list[dict[str, str]]) -> tuple[int, int]:
     """Write back the rows of the stages an interrupted fit committed; (next step, rounds kept).
 
     Rows after the last stage summary (``stage/...`` columns, logged once the stage's commit
     happened) belong to a stage the resumed fit trains again, so they are dropped, not repeated.
+    ``loggers``: the CSV logger, and the W&B logger when the interrupted fits' offline segments
+    were superseded (:mod:`~fedshard_lightning.wandb_segments`).
     """
     with warnings.catch_warnings():  # "previous log files will be deleted": we write them back
         warnings.filterwarnings("ignore", message="Experiment logs directory")
-        _ = logger.experiment
+        for logger in loggers:
+            _ = logger.experiment
     last = _resume_step(rows) - 1
     if last < 0:
         return 0, 0
@@ -298,8 +313,10 @@ def restore_csv_history(logger: Logger, rows: list[dict[str, str]]) -> tuple[int
     for r in kept:
         values = {k: float(v) for k, v in r.items() if k != "step" and v not in ("", None)}
         rounds += "round" in values
-        logger.log_metrics(values, step=int(float(r["step"])))
-    logger.save()
+        for logger in loggers:
+            logger.log_metrics(values, step=int(float(r["step"])))
+    for logger in loggers:
+        logger.save()
     return last + 1, rounds
 
 
@@ -330,6 +347,15 @@ def finish_loggers(
             state = wandb_state(run_dir)
             state["step"] = max(int(state.get("step", 0)), step)
             (run_dir / "wandb.json").write_text(json.dumps(state, indent=2) + "\n")
+
+
+def close_wandb_run(wandb: bool) -> None:
+    """Finish the open W&B run of a stopped fit as failed (a process that exits does it at exit)."""
+    if wandb:
+        import wandb as wandb_module
+
+        if wandb_module.run is not None:
+            wandb_module.finish(exit_code=1)
 
 
 def log_wandb_report(

@@ -28,7 +28,7 @@ from fedshard_lightning.callbacks.dispatch import call_hook
 from fedshard_lightning.engine import FederatedEngine, Group, LocalSchedule, RoundInfo
 from fedshard_lightning.engine.allocator import configure_process
 from fedshard_lightning.errors import CacheError, ConfigError
-from fedshard_lightning.loggers import finish_loggers, restore_csv_history
+from fedshard_lightning.loggers import close_wandb_run, finish_loggers, restore_csv_history
 from fedshard_lightning.requests import validate_exclude
 from fedshard_lightning.run_dir import Journal, model_is_stale, recover_reports
 from fedshard_lightning.unlearning.context import AlgorithmContext, LoopEvents
@@ -175,7 +175,7 @@ def run_fit(trainer: Any, run_dir: Path, resume: bool, exclude: list[int]) -> di
                 trainer._print(f"warning: numerics: {note}")
     if resumed and trainer.fabric.loggers and trainer.is_global_zero:
         trainer.log_step_start, trainer._events.global_round = restore_csv_history(
-            trainer.fabric.loggers[0], trainer.csv_history
+            getattr(trainer, "restore_loggers", trainer.fabric.loggers[:1]), trainer.csv_history
         )
     if not resumed:
         alg.reset(alg.engine.module_params(), exclude=validate_exclude(exclude, alg.num_clients))
@@ -189,6 +189,7 @@ def run_fit(trainer: Any, run_dir: Path, resume: bool, exclude: list[int]) -> di
         for logger in trainer.fabric.loggers:  # rows are written in batches: keep the stopped fit's
             with contextlib.suppress(OSError):
                 logger.save()
+        close_wandb_run(trainer.wandb)  # its segment is complete: a resume in this process writes a new one
         raise
     if not trainer.store.complete_committed:  # the algorithm reported no final stage: commit it here
         trainer._events.checkpoint("fit", complete=True)  # fit returned: the state is final

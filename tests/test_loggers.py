@@ -301,3 +301,73 @@ def test_audit_and_test_log_their_result_after_the_run_s_last_step(run_root):
     _, history, _ = _wandb_items(run)
     assert any(h.get("audit/passed") == 1.0 for h in history)
     assert any(h.get("test/test_accuracy") == pytest.approx(metrics["test_accuracy"]) for h in history)
+
+
+def _synced_history(run_dir):
+    """History rows as ``wandb sync`` (0.31) would upload them: the segments under ``wandb/offline-run-*``
+    in the order they started, each appended after the last (W&B renumbers a resumed segment's ``_step``).
+
+    Read from W&B's own offline files, not from the package.
+    """
+    from callbacks.test_replay import _wandb_records
+
+    segments = []
+    for path in (run_dir / "wandb_files" / "wandb").glob("offline-run-*/run-*.wandb"):
+        start, rows = None, []
+        for record in _wandb_records(path):
+            kind = record.WhichOneof("record_type")
+            if kind == "run" and start is None:
+                start = record.run.start_time.ToMicroseconds()
+            elif kind == "history":
+                rows.append(
+                    {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+                )
+        segments.append((start or 0, rows))
+    return [row for _, rows in sorted(segments, key=lambda s: s[0]) for row in rows]
+
+
+@pytest.mark.parametrize("killed_by", ["interrupt", "sigkill"])
+def test_wandb_history_of_a_fit_killed_at_stage_3_and_resumed_equals_the_csv(run_root, killed_by):
+    """Every row of the CSV once, in order, in the synced W&B run; none of the retrained stage twice.
+
+    ``interrupt`` (Ctrl-C, SIGTERM): the killed segment holds the rounds of stage 3, which the
+    resumed fit trains again. ``sigkill``: W&B's service dies with the process before it flushes
+    its file, which keeps only its 7-byte header (measured with wandb 0.31). Reference: the rows
+    of ``logs/metrics.csv`` read with the csv module.
+    """
+    import wandb
+
+    from fedshard_lightning.callbacks import FederatedCallback
+
+    kill = type("Kill", (_KillAt, FederatedCallback), {})(3)
+    trainer, model, data = _objects(run_root, callbacks=[kill], wandb=True)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit(model, data)
+    left_open = wandb.run is not None
+    if left_open:
+        wandb.finish()  # as the process's exit would
+    run = trainer.run_dir
+    if killed_by == "sigkill":
+        for path in (run / "wandb_files" / "wandb").glob("offline-run-*/run-*.wandb"):
+            path.write_bytes(path.read_bytes()[:7])
+    trainer, model, data = _objects(run_root, wandb=True)
+    trainer.fit(model, data, ckpt_path=str(run))
+
+    csv_rows = [
+        (
+            int(float(r["step"])),
+            {k: float({"True": 1, "False": 0}.get(v, v)) for k, v in r.items() if k != "step" and v != ""},
+        )
+        for r in _rows(run / "logs" / "metrics.csv")
+    ]
+    synced = [
+        (h["trainer/global_step"], {k: v for k, v in h.items() if not k.startswith(("_", "trainer/"))})
+        for h in _synced_history(run)
+    ]
+    assert [s for s, _ in synced] == [s for s, _ in csv_rows], "the CSV's steps, each row once, in order"
+    for (_, got), (_, want) in zip(synced, csv_rows):
+        assert set(got) == set(want)
+        assert [got[k] for k in want] == pytest.approx([want[k] for k in want], rel=1e-12)
+    rounds = [(h["stage"], h["round"]) for _, h in synced if "round" in h]
+    assert len(rounds) == len(set(rounds)) == 2 * 3, "2 rounds in each of 3 stages"
+    assert not left_open, "the interrupted fit closed its W&B run (a resume in this process needs a new one)"

@@ -1,0 +1,72 @@
+"""The offline W&B segments of a fit: a resumed fit replaces those of its interrupted runs.
+
+Each process that logs to a run's W&B id writes one offline segment,
+``RUN/wandb_files/wandb/offline-run-*``; ``wandb sync`` uploads the segments of one id in the
+order they started and appends each to the run (their ``_step`` renumbered after the run's last).
+A fit interrupted by Ctrl-C or SIGTERM has sent the rounds of the stage it had not committed,
+which the resumed fit trains and logs again (the run would hold them twice); one killed by
+SIGKILL may have written nothing at all (W&B flushes its ``.wandb`` file every 15 s and its
+service stops with the process), so the committed stages would be missing. The CSV, written at
+every commit, is the record of what the fit kept. So a resumed offline fit moves the segments
+of its earlier fits to ``RUN/wandb_files/superseded/`` and logs the CSV's kept rows into its own
+segment before its new rounds: the synced run then holds every round once, in order.
+
+Segments already uploaded (a ``.synced`` marker, or an online run) cannot be taken back: then
+the fit logs only its new rounds, as before.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+__all__ = ["record_fit_segment", "supersede_fit_segments"]
+
+_KEY = "fit_segments"
+
+
+def _state(run_dir: Path) -> dict[str, Any]:
+    from fedshard_lightning.loggers import wandb_state
+
+    return wandb_state(run_dir)
+
+
+def _write(run_dir: Path, state: dict[str, Any]) -> None:
+    (run_dir / "wandb.json").write_text(json.dumps(state, indent=2) + "\n")
+
+
+def supersede_fit_segments(run_dir: Path, offline: bool) -> bool:
+    """Move the earlier fits' offline segments out of the sync glob; whether the fit may replay the CSV.
+
+    Returns ``True`` when no earlier fit segment remains to be synced (none recorded, or all moved),
+    so the resumed fit's own segment must hold the whole kept history.
+    """
+    state = _state(run_dir)
+    names = [str(n) for n in state.get(_KEY, [])]
+    root = run_dir / "wandb_files" / "wandb"
+    if not offline or any(
+        not n.startswith("offline-run-") or any((root / n).glob("*.wandb.synced")) for n in names
+    ):
+        return False
+    target = run_dir / "wandb_files" / "superseded"
+    for name in names:
+        if (root / name).is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(root / name), str(target / name))
+    if names:
+        state[_KEY] = []
+        _write(run_dir, state)
+    return True
+
+
+def record_fit_segment(run_dir: Path, logger: Any) -> None:
+    """Remember the segment this fit's W&B run writes (``offline-run-*``, or ``run-*`` online)."""
+    run = logger.experiment
+    folder = Path(str(getattr(run, "dir", "") or "")).parent
+    if not folder.name:
+        return
+    state = _state(run_dir)
+    state[_KEY] = [*state.get(_KEY, []), folder.name]
+    _write(run_dir, state)
