@@ -44,6 +44,7 @@ __all__ = [
     "run_hparams",
     "run_loggers",
     "run_name",
+    "setting_name",
     "tensorboard_logger",
     "wandb_state",
 ]
@@ -91,12 +92,17 @@ def dataset_name(datamodule: Any) -> str:
     return type(datamodule).__name__.removesuffix("DataModule").lower()
 
 
-def run_name(hparams: dict[str, Any]) -> str:
-    """``fedshard-digits-K32-rho0.5-s0``: the setting, readable in a W&B table."""
-    parts = [str(hparams["method"]), str(hparams["dataset"]), f"K{hparams['num_clients']}"]
+def setting_name(hparams: dict[str, Any]) -> str:
+    """``digits-K32-rho0.5``: the setting without method and seed, the default W&B group."""
+    parts = [str(hparams["dataset"]), f"K{hparams['num_clients']}"]
     if hparams.get("partition", "dirichlet") == "dirichlet" and hparams.get("rho") is not None:
         parts.append(f"rho{hparams['rho']}")
-    return "-".join([*parts, f"s{hparams['seed']}"])
+    return "-".join(parts)
+
+
+def run_name(hparams: dict[str, Any]) -> str:
+    """``fedshard-digits-K32-rho0.5-s0``: the setting, readable in a W&B table."""
+    return f"{hparams['method']}-{setting_name(hparams)}-s{hparams['seed']}"
 
 
 def wandb_state(run_dir: Path) -> dict[str, Any]:
@@ -154,7 +160,7 @@ def _wandb_logger(run_dir: Path, trainer: Any, hparams: dict[str, Any]) -> Logge
             "id": secrets.token_hex(4),  # W&B run ids are short [a-z0-9] strings
             "name": name,
             "project": trainer.wandb_project,
-            "group": trainer.wandb_group or name.rsplit("-s", 1)[0].split("-", 1)[1],
+            "group": trainer.wandb_group or setting_name(hparams),
             "step": 0,
         }
         (run_dir / "wandb.json").write_text(json.dumps(state, indent=2) + "\n")

@@ -104,6 +104,20 @@ def test_run_name_reads_the_setting():
     assert run_name({**hp, "partition": "iid"}) == "fedshard-digits-K32-s0"
 
 
+def test_default_wandb_group_is_the_setting_whatever_the_method_is_named(run_root):
+    """The group is the setting without method and seed, also for a method named with dashes.
+
+    Reference: the setting written out by hand. Before, the group was cut out of the run name at
+    its first dash, which gave ``method-synthetic-K8-rho0.5`` for a method named ``my-method``.
+    """
+    trainer, model, data = _objects(run_root, wandb=True)
+    trainer.algorithm.name = "my-method"
+    trainer.fit(model, data)
+    state = json.loads((trainer.run_dir / "wandb.json").read_text())
+    assert state["name"] == "my-method-synthetic-K8-rho0.5-s3"
+    assert state["group"] == "synthetic-K8-rho0.5"
+
+
 class _KillAt:
     """Interrupts the fit in the first round of a stage (as Ctrl-C would)."""
 
