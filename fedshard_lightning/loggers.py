@@ -34,7 +34,6 @@ from fedshard_lightning.init_args import init_args
 from fedshard_lightning.wandb_segments import record_fit_segment, supersede_fit_segments
 
 __all__ = [
-    "close_wandb_run",
     "finish_loggers",
     "log_result",
     "log_wandb_report",
@@ -353,15 +352,6 @@ def finish_loggers(
             state = wandb_state(run_dir)
             state["step"] = max(int(state.get("step", 0)), step)
             (run_dir / "wandb.json").write_text(json.dumps(state, indent=2) + "\n")
-
-
-def close_wandb_run(wandb: bool) -> None:
-    """Finish the open W&B run of a stopped fit as failed (a process that exits does it at exit)."""
-    if wandb:
-        import wandb as wandb_module
-
-        if wandb_module.run is not None:
-            wandb_module.finish(exit_code=1)
 
 
 def log_wandb_report(

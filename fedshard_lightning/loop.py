@@ -28,11 +28,12 @@ from fedshard_lightning.callbacks.dispatch import call_hook
 from fedshard_lightning.engine import FederatedEngine, Group, LocalSchedule, RoundInfo
 from fedshard_lightning.engine.allocator import configure_process
 from fedshard_lightning.errors import CacheError, ConfigError
-from fedshard_lightning.loggers import close_wandb_run, finish_loggers, restore_csv_history
+from fedshard_lightning.loggers import finish_loggers, restore_csv_history
 from fedshard_lightning.requests import validate_exclude
 from fedshard_lightning.run_dir import Journal, model_is_stale, recover_reports
 from fedshard_lightning.unlearning.context import AlgorithmContext, LoopEvents
 from fedshard_lightning.unlearning.contract import check_params
+from fedshard_lightning.wandb_segments import close_wandb_run
 
 __all__ = ["TrainerEvents", "run_fit", "sample_weighted_average"]
 

@@ -22,7 +22,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-__all__ = ["record_fit_segment", "supersede_fit_segments"]
+__all__ = ["close_wandb_run", "record_fit_segment", "supersede_fit_segments"]
 
 _KEY = "fit_segments"
 
@@ -70,3 +70,16 @@ def record_fit_segment(run_dir: Path, logger: Any) -> None:
     state = _state(run_dir)
     state[_KEY] = [*state.get(_KEY, []), folder.name]
     _write(run_dir, state)
+
+
+def close_wandb_run(wandb: bool) -> None:
+    """Finish the open W&B run of a stopped fit as failed, so a resume in this process writes a new segment.
+
+    A process that exits finishes it at exit; one that goes on (a notebook) would otherwise have
+    the resumed fit log into the stopped fit's segment, which the resume supersedes.
+    """
+    if wandb:
+        import wandb as wandb_module
+
+        if wandb_module.run is not None:
+            wandb_module.finish(exit_code=1)
