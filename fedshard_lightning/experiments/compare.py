@@ -193,7 +193,7 @@ def compare(
     write_tables(out, agg, rows, meta)
     plot_cost_distributions(out / "cost_distribution.png", dist_steps, dist_seconds)
     if wandb:
-        _log_wandb(out, agg)
+        _log_wandb(out, agg, rows, meta)
     return {"rows": rows, "summary": agg, "clients": list(clients), "output": str(out)}
 
 
@@ -295,12 +295,34 @@ def _run_seed(
     return rows
 
 
-def _log_wandb(out: Path, agg: list[dict[str, Any]]) -> None:
-    """The summary as a W&B table: per column its mean and sample std over seeds, as in compare.md."""
+def _log_wandb(
+    out: Path, agg: list[dict[str, Any]], rows: list[dict[str, Any]], meta: dict[str, Any]
+) -> None:
+    """The summary as a W&B table: per column its mean and sample std over seeds, as in compare.md.
+
+    The table's run joins the group of the method runs it summarizes (the setting, e.g.
+    ``digits-K64-rho0.1``), is named after it, and records the methods, seeds, clients and the
+    W&B ids of those runs, so that two comparisons in one project stay apart.
+    """
     import wandb
 
+    from fedshard_lightning.loggers import wandb_state
+
+    states = [wandb_state(Path(r["run_dir"])) for r in rows]
+    group = next((st["group"] for st in states if st.get("group")), None)
+    config = {
+        **meta,
+        "methods": list(dict.fromkeys(r["method"] for r in rows)),
+        "runs": [st["id"] for st in states if st.get("id")],
+    }
     run = wandb.init(
-        project="fedshard-lightning", name="compare", job_type="compare", dir=str(out), mode="offline"
+        project="fedshard-lightning",
+        name=f"compare-{group}" if group else "compare",
+        group=group,
+        job_type="compare",
+        config=config,
+        dir=str(out),
+        mode="offline",
     )
     cols = ["method", "seeds", *(f"{h}, {stat}" for _, h, _ in COLUMNS for stat in ("mean", "sample std"))]
     data = [

@@ -256,6 +256,32 @@ def test_wandb_table_has_the_spread_over_seeds(tmp_path):
             assert got[f"{header}, sample std"] == pytest.approx(std, rel=1e-6, abs=1e-12)
 
 
+def test_wandb_compare_run_joins_the_group_of_its_method_runs(tmp_path):
+    """The table's W&B run is in the method runs' group, named after it, with the seeds and run ids.
+
+    Reference: the group and ids read from the method runs' own offline W&B files. Before, every
+    comparison was an ungrouped run named ``compare`` with an empty config.
+    """
+    from callbacks.test_replay import _wandb_records
+
+    def run_records(path):
+        first = next(r.run for r in _wandb_records(path) if r.WhichOneof("record_type") == "run")
+        config = {i.key: json.loads(i.value_json) for i in first.config.update}
+        return first, {k: v.get("value", v) if isinstance(v, dict) else v for k, v in config.items()}
+
+    _tiny_compare(tmp_path, fedavg_rounds=1, seeds=[0, 1], wandb=True)
+    methods = [
+        run_records(p)[0] for p in (tmp_path / "runs").glob("*/wandb_files/wandb/offline-run-*/run-*.wandb")
+    ]
+    assert len(methods) == 4
+    (group,) = {r.run_group for r in methods}
+    (path,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    run, config = run_records(path)
+    assert (run.run_group, run.display_name) == (group, f"compare-{group}")
+    assert config["seeds"] == [0, 1] and config["methods"] == ["fedshard", "fedavg"]
+    assert sorted(config["runs"]) == sorted(r.run_id for r in methods)
+
+
 @pytest.mark.parametrize("experiment", ["compare", "cascade", "poisoning"])
 def test_experiments_take_a_plain_lightning_module_by_class_path(experiment, tmp_path, monkeypatch, capsys):
     """The README's "your own model" is a plain LightningModule; the experiments had typed FederatedModule."""
