@@ -31,7 +31,12 @@ from lightning.fabric.loggers import CSVLogger, Logger
 from fedshard_lightning.cache_io import read_json_object
 from fedshard_lightning.errors import ConfigError
 from fedshard_lightning.init_args import init_args
-from fedshard_lightning.wandb_segments import record_fit_segment, supersede_fit_segments
+from fedshard_lightning.wandb_segments import (
+    close_stale_run,
+    record_fit_segment,
+    remember_run,
+    supersede_fit_segments,
+)
 
 __all__ = [
     "finish_loggers",
@@ -152,6 +157,7 @@ def _wandb_logger(run_dir: Path, trainer: Any, hparams: dict[str, Any]) -> Logge
         os.environ.setdefault(var, str(wdir))
     os.environ.setdefault("WANDB_MODE", trainer.wandb_mode)
     os.environ.setdefault("WANDB_SILENT", "true")
+    close_stale_run()
     state = wandb_state(run_dir)
     if not state.get("id"):
         name = run_name(hparams)
@@ -163,6 +169,7 @@ def _wandb_logger(run_dir: Path, trainer: Any, hparams: dict[str, Any]) -> Logge
             "step": 0,
         }
         (run_dir / "wandb.json").write_text(json.dumps(state, indent=2) + "\n")
+    remember_run(state["id"])
     logger = WandbLogger(
         project=state.get("project", trainer.wandb_project),
         name=state["name"],

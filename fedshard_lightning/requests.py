@@ -171,10 +171,9 @@ def apply_request(trainer: Any, clients: Any) -> dict[str, Any]:
     alg, store = trainer.algorithm, trainer.store
     ids = validate_clients(clients, alg.num_clients)
     noop, message = check_request(ids, alg.unlearned, store.requests, alg.num_clients)
-    late = log_lost_requests(trainer)
-    if noop is not None:
-        if late:
-            finish_loggers(trainer.fabric.loggers, trainer.wandb, trainer.run_dir, trainer.log_step_start)
+    log_lost_requests(trainer)
+    if noop is not None:  # close the loggers (and the W&B run) whether or not a late row was logged
+        finish_loggers(trainer.fabric.loggers, trainer.wandb, trainer.run_dir, trainer.log_step_start)
         trainer._print(message)
         return noop
     number = len(store.requests) + 1

@@ -19,10 +19,19 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["close_wandb_run", "record_fit_segment", "supersede_fit_segments"]
+__all__ = [
+    "close_stale_run",
+    "close_wandb_run",
+    "record_fit_segment",
+    "remember_run",
+    "supersede_fit_segments",
+]
+
+_OURS: set[str] = set()  # ids of the W&B runs this process opened for a run directory
 
 _KEY = "fit_segments"
 
@@ -83,3 +92,20 @@ def close_wandb_run(wandb: bool) -> None:
 
         if wandb_module.run is not None:
             wandb_module.finish(exit_code=1)
+
+
+def remember_run(run_id: str) -> None:
+    """Note a W&B run opened for a run directory, so that :func:`close_stale_run` may close it."""
+    _OURS.add(run_id)
+
+
+def close_stale_run() -> None:
+    """Finish a W&B run that an earlier command in this process left open (it failed, or had nothing to do).
+
+    Lightning's ``WandbLogger`` logs into any open run: the next command, on another run
+    directory, would write its rows into that run. A run the user opened (a sweep's) is left alone.
+    """
+    wandb_module = sys.modules.get("wandb")
+    run = getattr(wandb_module, "run", None)
+    if run is not None and run.id in _OURS:
+        wandb_module.finish()

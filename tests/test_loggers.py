@@ -385,3 +385,42 @@ def test_wandb_history_of_a_fit_killed_at_stage_3_and_resumed_equals_the_csv(run
     rounds = [(h["stage"], h["round"]) for _, h in synced if "round" in h]
     assert len(rounds) == len(set(rounds)) == 2 * 3, "2 rounds in each of 3 stages"
     assert not left_open, "the interrupted fit closed its W&B run (a resume in this process needs a new one)"
+
+
+def test_a_command_that_leaves_its_wandb_run_open_does_not_take_the_next_run_s_rows(run_root):
+    """In one process: fit A, a repeated (no-op) unlearn on A, then fit B: B's rows go to B's W&B run.
+
+    Lightning's WandbLogger logs into any open W&B run; the no-op unlearn had left A's open, so
+    B's fit wrote its rounds into A's run and B's own W&B run stayed empty. Reference: each run
+    directory's W&B id (``wandb.json``) and its CSV rows (csv module) against W&B's offline files.
+    """
+    from callbacks.test_replay import _wandb_records
+
+    trainer, model, data = _objects(run_root, wandb=True)
+    trainer.fit(model, data)
+    a = trainer.run_dir
+    for _ in range(2):  # the second asks again for client 2: nothing to do
+        trainer, model, data = _objects(run_root, wandb=True)
+        trainer.unlearn(model, data, ckpt_path=str(a), clients=[2])
+    trainer = FederatedTrainer(
+        algorithm=FedShard(rounds="fixed", fixed_rounds=2, batch_size=4),
+        default_root_dir=str(run_root),
+        enable_progress_bar=False,
+        vectorize="always",
+        wandb=True,
+        seed=4,
+    )
+    trainer.fit(MLP(hidden=(8,), lr=0.1), small_synthetic())
+    b = trainer.run_dir
+    for run in (a, b):
+        own = json.loads((run / "wandb.json").read_text())["id"]
+        ids, rounds = set(), 0
+        for path in (run / "wandb_files" / "wandb").glob("offline-run-*/run-*.wandb"):
+            for record in _wandb_records(path):
+                kind = record.WhichOneof("record_type")
+                ids |= {record.run.run_id} if kind == "run" else set()
+                rounds += kind == "history" and any(
+                    (i.key or "/".join(i.nested_key)) == "round" for i in record.history.item
+                )
+        csv_rounds = sum(1 for r in _rows(run / "logs" / "metrics.csv") if r["round"])
+        assert ids == {own} and rounds == csv_rounds, run.name
