@@ -35,7 +35,6 @@ from fedshard_lightning.wandb_segments import (
     close_stale_run,
     record_fit_segment,
     remember_run,
-    supersede_fit_segments,
 )
 
 __all__ = [
@@ -266,15 +265,11 @@ def run_loggers(trainer: Any, run_dir: Path, command: str, resume: bool = False)
         CSVLogger(root_dir=str(run_dir), name="logs", version=version, flush_logs_every_n_steps=2**62)
     ]
     hparams = run_hparams(trainer)
-    # A resumed fit logs the CSV's kept rows into the loggers that lack them (see restore_csv_history).
-    trainer.restore_loggers = loggers[:1]
     wandb_logger = None
     if trainer.wandb:
-        replay = command == "fit" and supersede_fit_segments(run_dir, trainer.wandb_mode == "offline")
         wandb_logger = _wandb_logger(run_dir, trainer, hparams)
         loggers.append(wandb_logger)
-        if replay and resume:
-            trainer.restore_loggers = [loggers[0], wandb_logger]
+    trainer.wandb_logger = wandb_logger  # a resumed fit may replay the CSV into it (run_fit)
     if getattr(trainer, "tensorboard", False):
         purge = _resume_step(trainer.csv_history) if resume else None
         loggers.append(tensorboard_logger(run_dir, version or "fit", purge))
@@ -311,7 +306,7 @@ def restore_csv_history(loggers: Sequence[Logger], rows: list[dict[str, str]]) -
     Rows after the last stage summary (``stage/...`` columns, logged once the stage's commit
     happened) belong to a stage the resumed fit trains again, so they are dropped, not repeated.
     ``loggers``: the CSV logger, and the W&B logger when the interrupted fits' offline segments
-    were superseded (:mod:`~fedshard_lightning.wandb_segments`).
+    were superseded (:func:`~fedshard_lightning.wandb_segments.supersede_fit_segments`).
     """
     with warnings.catch_warnings():  # "previous log files will be deleted": we write them back
         warnings.filterwarnings("ignore", message="Experiment logs directory")

@@ -33,7 +33,7 @@ from fedshard_lightning.requests import validate_exclude
 from fedshard_lightning.run_dir import Journal, model_is_stale, recover_reports
 from fedshard_lightning.unlearning.context import AlgorithmContext, LoopEvents
 from fedshard_lightning.unlearning.contract import check_params
-from fedshard_lightning.wandb_segments import close_wandb_run
+from fedshard_lightning.wandb_segments import close_wandb_run, supersede_fit_segments
 
 __all__ = ["TrainerEvents", "run_fit", "sample_weighted_average"]
 
@@ -175,8 +175,12 @@ def run_fit(trainer: Any, run_dir: Path, resume: bool, exclude: list[int]) -> di
             for note in trainer.numerics_notes:
                 trainer._print(f"warning: numerics: {note}")
     if resumed and trainer.fabric.loggers and trainer.is_global_zero:
+        restore = trainer.fabric.loggers[:1]  # the CSV; W&B too when its segment takes the others' place
+        wandb_logger = getattr(trainer, "wandb_logger", None)
+        if wandb_logger is not None and not finished and supersede_fit_segments(run_dir, trainer.wandb_mode):
+            restore.append(wandb_logger)
         trainer.log_step_start, trainer._events.global_round = restore_csv_history(
-            getattr(trainer, "restore_loggers", trainer.fabric.loggers[:1]), trainer.csv_history
+            restore, trainer.csv_history
         )
     if not resumed:
         alg.reset(alg.engine.module_params(), exclude=validate_exclude(exclude, alg.num_clients))

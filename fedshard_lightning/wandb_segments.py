@@ -46,26 +46,29 @@ def _write(run_dir: Path, state: dict[str, Any]) -> None:
     (run_dir / "wandb.json").write_text(json.dumps(state, indent=2) + "\n")
 
 
-def supersede_fit_segments(run_dir: Path, offline: bool) -> bool:
-    """Move the earlier fits' offline segments out of the sync glob; whether the fit may replay the CSV.
+def supersede_fit_segments(run_dir: Path, mode: str) -> bool:
+    """Move the earlier fits' offline segments out of the sync glob; whether the fit must replay the CSV.
 
-    Returns ``True`` when no earlier fit segment remains to be synced (none recorded, or all moved),
-    so the resumed fit's own segment must hold the whole kept history.
+    Called by a fit that resumes training, after its own segment was recorded (the last one, kept).
+    Returns ``True`` when no earlier fit segment remains to be synced (none, or all moved), so the
+    resumed fit's own segment must hold the whole kept history; ``False`` in online mode or when
+    one was uploaded already (a ``.synced`` marker beside it, or an online run).
     """
     state = _state(run_dir)
     names = [str(n) for n in state.get(_KEY, [])]
+    earlier, own = names[:-1], names[-1:]
     root = run_dir / "wandb_files" / "wandb"
-    if not offline or any(
-        not n.startswith("offline-run-") or any((root / n).glob("*.wandb.synced")) for n in names
+    if mode != "offline" or any(
+        not n.startswith("offline-run-") or any((root / n).glob("*.wandb.synced")) for n in earlier
     ):
         return False
     target = run_dir / "wandb_files" / "superseded"
-    for name in names:
+    for name in earlier:
         if (root / name).is_dir():
             target.mkdir(parents=True, exist_ok=True)
             shutil.move(str(root / name), str(target / name))
-    if names:
-        state[_KEY] = []
+    if earlier:
+        state[_KEY] = own
         _write(run_dir, state)
     return True
 

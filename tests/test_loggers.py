@@ -424,3 +424,23 @@ def test_a_command_that_leaves_its_wandb_run_open_does_not_take_the_next_run_s_r
                 )
         csv_rounds = sum(1 for r in _rows(run / "logs" / "metrics.csv") if r["round"])
         assert ids == {own} and rounds == csv_rounds, run.name
+
+
+def test_a_refused_resume_of_a_run_with_requests_leaves_its_wandb_segments_alone(run_root):
+    """``fit --ckpt_path`` on a run that has unlearning requests stops; the fit's W&B rows stay to be synced.
+
+    Reference: the fit's rows read back from the offline files under ``wandb/offline-run-*``.
+    """
+    from fedshard_lightning.errors import CacheError
+
+    trainer, model, data = _objects(run_root, wandb=True)
+    trainer.fit(model, data)
+    run = trainer.run_dir
+    trainer, model, data = _objects(run_root, wandb=True)
+    trainer.unlearn(model, data, ckpt_path=str(run), clients=[2])
+    trainer, model, data = _objects(run_root, wandb=True)
+    with pytest.raises(CacheError, match="cannot be resumed"):
+        trainer.fit(model, data, ckpt_path=str(run))
+    rounds = [h for h in _synced_history(run) if "round" in h]
+    assert len(rounds) == sum(1 for r in _rows(run / "logs" / "metrics.csv") if r["round"])
+    assert not (run / "wandb_files" / "superseded").exists()
