@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from fedshard_lightning.engine.lean_sums import InPlaceSums
+from fedshard_lightning.engine.lone_rows import min_rows
 
 if TYPE_CHECKING:
     from fedshard_lightning.engine.lean_rounds import _Segment
@@ -51,6 +52,7 @@ def frame_for(seg: _Segment, gsz: np.ndarray, steps: np.ndarray, dev: torch.devi
         steps.tobytes(),
         seg.dtypes,
         dev,
+        min_rows(dev),
     )
     frame = frames.pop(key, None)  # taken out and put back last: the dict's order is recency
     if frame is None:
@@ -70,24 +72,32 @@ class Frame:
 
     Not which clients train (only how many, in which groups, with which batch sizes), so the
     stages of later requests, whose shards have the shapes of earlier ones, take it as it is:
-    every buffer is written before it is read in every round.
+    every buffer is written before it is read in every round. On a multi-threaded CPU no step
+    runs over one row (:mod:`.lone_rows`): a one-client segment trains an inert copy of its client
+    in a second row (``pad``), and a step keeps finished rows up to two (``rows_at``).
     """
 
     def __init__(self, seg: _Segment, gsz: np.ndarray, steps: np.ndarray, dev: torch.device) -> None:
         local, m, layout = seg.engine.local, seg.m, seg.layout
         self.gsz, self.steps = gsz, steps
         lay = self.lay = local.layouts(gsz, steps, dev, True)
-        self.pick = seg.chunk.owners_t if lay.in_order else seg.chunk.owners_t.index_select(0, lay.order_t)
+        floor = min_rows(dev)
+        self.pad = floor - m if m == 1 else 0
+        mp = m + self.pad  # rows trained: the clients and an inert copy of a lone client
+        self.rows_at = [min(mp, max(live, floor)) for live in lay.live]
+        pick = seg.chunk.owners_t if lay.in_order else seg.chunk.owners_t.index_select(0, lay.order_t)
+        self.pick = pick.repeat(mp) if self.pad else pick
+        weight = lay.weight_all.repeat(1, mp, 1) if self.pad else lay.weight_all
         self.inverse = None if lay.in_order else torch.argsort(lay.order_t)
         dm = local.dm
         widths = [sum(layout.numel[k] for k in names) for names in layout.kinds]
         specs: dict[object, tuple[tuple[int, ...], torch.dtype]] = {
-            k: ((m, *layout.shapes[k]), dt) for names, dt in zip(layout.kinds, seg.dtypes) for k in names
+            k: ((mp, *layout.shapes[k]), dt) for names, dt in zip(layout.kinds, seg.dtypes) for k in names
         }
         for i, (d, dt) in enumerate(zip(widths, seg.dtypes)):
             specs[("x", i)] = ((m, d), dt)  # the participants' models as one [m, D] matrix, for the sums
             specs[("sums", i)] = ((len(seg.groups), d), dt)
-        shape = (lay.s_max, m, local.schedule.batch_size)
+        shape = (lay.s_max, mp, local.schedule.batch_size)
         sample = dm.train_x[0].numel() * torch.finfo(local.dtype).bits // 8
         whole = math.prod(shape) * sample <= _WHOLE_ROUND_BYTES  # the round's batches in one gather
         if whole:
@@ -96,17 +106,34 @@ class Frame:
             specs["batch_y"] = (shape, y_like.dtype)
         bufs, self.placed = _carve(seg.engine.lean_arena, specs, dev)
         self.leaves = {k: bufs[k] for names in layout.kinds for k in names}
-        self.rows = [[self.leaves[k].view(m, -1) for k in names] for names in layout.kinds]  # [m, n] each
+        self.rows = [[self.leaves[k][:m].view(m, -1) for k in names] for names in layout.kinds]  # [m, n] each
         self.xbuf = [bufs[("x", i)] for i in range(len(widths))]
         self.sums = [bufs[("sums", i)] for i in range(len(widths))]
         self.trees = [InPlaceSums(x, seg.block) for x in self.xbuf]
         self.named = [
-            self.leaves if live == m else {k: t[:live] for k, t in self.leaves.items()} for live in lay.live
+            self.leaves if r == mp else {k: t[:r] for k, t in self.leaves.items()} for r in self.rows_at
         ]
-        self.ws = [lay.weight_all[s, :live] for s, live in enumerate(lay.live)]
+        self.ws = [weight[s, :r] for s, r in enumerate(self.rows_at)]
         self.batch: tuple[Tensor, Tensor] | None = (bufs["batch_x"], bufs["batch_y"]) if whole else None
-        self.xs = [bufs["batch_x"][s, :live] for s, live in enumerate(lay.live)] if whole else []
-        self.ys = [bufs["batch_y"][s, :live] for s, live in enumerate(lay.live)] if whole else []
+        self.xs = [bufs["batch_x"][s, :r] for s, r in enumerate(self.rows_at)] if whole else []
+        self.ys = [bufs["batch_y"][s, :r] for s, r in enumerate(self.rows_at)] if whole else []
+        # The step from which a finished client's row is held (trained inert, weight 0): its model,
+        # a result of the round, is kept aside then and put back after the last step.
+        held = [s for s, (live, r) in enumerate(zip(lay.live, self.rows_at)) if r > live and not self.pad]
+        self.hold_at = held[0] if held else -1
+        self.held = {k: t[lay.live[self.hold_at]].clone() for k, t in self.leaves.items()} if held else {}
+
+    def keep_held(self) -> None:
+        """Keep the held row's model aside (at step ``hold_at``, before it trains inert)."""
+        row = self.lay.live[self.hold_at]
+        for k, t in self.held.items():
+            t.copy_(self.leaves[k][row])
+
+    def put_back_held(self) -> None:
+        """Put the held row's model back (after the round's last step)."""
+        row = self.lay.live[self.hold_at]
+        for k, t in self.held.items():
+            self.leaves[k][row].copy_(t)
 
 
 def _carve(

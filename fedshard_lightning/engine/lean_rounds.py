@@ -218,6 +218,8 @@ class _Segment:
             np.stack([(p[0] if lay.in_order else p[0][lay.order]).transpose(1, 0, 2) for p in planned]),
             device=flats[0].device,
         )  # [R, S, m, B] in step order
+        if v.pad:  # a lone client's inert copy trains on its batches
+            gidx_all = gidx_all.repeat(1, 1, 1 + v.pad, 1)
         losses = flats[0].new_zeros((len(rounds), m), dtype=local.dtype)  # step order
         dm, chain, lr = local.dm, local.chain, self.lr
         times = []
@@ -228,13 +230,17 @@ class _Segment:
             if v.batch is not None:  # the round's batches in one gather, into the steps' views
                 dm.gather(gidx_all[j], local.dtype, out=v.batch)
             row = losses[j]
-            for s, live in enumerate(lay.live):
+            for s, (live, rows) in enumerate(zip(lay.live, v.rows_at)):
+                if s == v.hold_at:
+                    v.keep_held()
                 if v.batch is not None:
                     x, y = v.xs[s], v.ys[s]
                 else:
-                    x, y = dm.gather(gidx_all[j, s, :live], local.dtype)
+                    x, y = dm.gather(gidx_all[j, s, :rows], local.dtype)
                 loss, _ = chain.step(v.named[s], x, y, v.ws[s], lr)
-                (row if live == m else row[:live]).add_(loss)
+                (row if live == m else row[:live]).add_(loss if rows == live else loss[:live])
+            if v.held:
+                v.put_back_held()
             self._average(flats, v)
             times.append(time.perf_counter() - tr)
             if hook is not None:

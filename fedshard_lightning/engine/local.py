@@ -28,6 +28,7 @@ from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.engine.chain import StackedChain
 from fedshard_lightning.engine.client_loop import ClientBatch, LocalResult, run_client_loop
 from fedshard_lightning.engine.kernel_choice import choose_kernel
+from fedshard_lightning.engine.lone_rows import min_rows, train_one_padded
 from fedshard_lightning.engine.mixed_sizes import mixed_sizes_fixed, mixed_sizes_split
 from fedshard_lightning.engine.optim import OptimizerSpec, RoundLR, fused_sgd_lr, round_lr, shrink_optimizer
 from fedshard_lightning.engine.plan_ahead import BatchPlans
@@ -257,6 +258,10 @@ class LocalTrainer:
         m_all = len(batch.clients)
         b = self.schedule.batch_size
         device = next(iter(start.values())).device
+        # Never a step over one client row on a multi-threaded CPU (see .lone_rows).
+        floor = 1 if fixed or (chain is None and self._program is None) else min_rows(device)
+        if m_all == 1 < floor:
+            return train_one_padded(self, start, batch, rows)
         lay = self.layouts(gsz, steps, device, chain is not None)
         order, order_t, in_order, s_max, gsz = lay.order, lay.order_t, lay.in_order, lay.s_max, lay.gsz
         gidx_t = torch.as_tensor(
@@ -286,20 +291,18 @@ class LocalTrainer:
         size_t, weight_all = lay.size_t, lay.weight_all
         m = live = m_all
         for s, m_s in enumerate(lay.live):
-            if fixed:
-                if m_s < live:
-                    self._retire(out, {**leaves, **cbuf}, order_t, m_s, live)
-                    live = m_s
-            elif m_s < m:
-                self._retire(out, {**leaves, **cbuf}, order_t, m_s, m)
-                new = {k: v.detach()[:m_s].requires_grad_() for k, v in leaves.items()}
+            if m_s < live:  # finished clients are copied out; rows kept beyond ``live`` are inert
+                self._retire(out, {**leaves, **cbuf}, order_t, m_s, live)
+                live = m_s
+            keep = m if fixed else max(m_s, floor)
+            if keep < m:
+                new = {k: v.detach()[:keep].requires_grad_() for k, v in leaves.items()}
                 if isinstance(opt, RowOptimizer):
-                    opt.shrink(new, m_s)
+                    opt.shrink(new, keep)
                 elif opt is not None:
-                    shrink_optimizer(opt, list(leaves.values()), list(new.values()), m_s)
-                leaves, m = new, m_s
-                cbuf = {k: v[:m_s] for k, v in cbuf.items()}
-                live = m
+                    shrink_optimizer(opt, list(leaves.values()), list(new.values()), keep)
+                leaves, m = new, keep
+                cbuf = {k: v[:keep] for k, v in cbuf.items()}
             sizes = gsz[s, :m]
             self._caller.batch_idx = s
             if chain is not None:
@@ -307,7 +310,7 @@ class LocalTrainer:
                 weight_t = weight_all[s, :m]
                 named = {k[len(_PREFIX) :]: v for k, v in leaves.items()}
                 losses, by_name = self._maybe_compiled("chain", chain.step)(named, x, y, weight_t, fused)
-                loss_sum[:m] += losses
+                loss_sum[:live] += losses if live == m else losses[:live]  # inert rows: none
                 if fused is not None:
                     continue
                 grads = {_PREFIX + k: g for k, g in by_name.items()}
@@ -322,7 +325,7 @@ class LocalTrainer:
                 x, y = self.dm.gather(gidx_t[s, :m], self.dtype)
                 mask = (torch.arange(b, device=device) < size_t[s, :m, None]).to(self.dtype)
                 grads, losses, _ = self._grad(leaves, buffers, x, y, mask)
-                loss_sum[:m] += losses
+                loss_sum[:live] += losses if live == m else losses[:live]
             elif fixed:  # every distinct batch size for all rows, kept where it is the row's own
                 grads = mixed_sizes_fixed(
                     self,
