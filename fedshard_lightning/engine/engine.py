@@ -223,11 +223,10 @@ class FederatedEngine:
         """Clients per fixed-shape stacked call, or None where the stacked kernels need none.
 
         On the CPU the hand-written and fx kernels compute each client with its own GEMMs and
-        convolutions, whose results do not depend on the other clients (tested; a step never has
-        one client row there, see :mod:`.lone_rows`); ``vmap``'s
-        grouped kernels and every CUDA kernel may choose another algorithm for another number of
-        clients, so there each call has exactly this many clients (padded with inert copies),
-        also when the memory budget's chunk is smaller.
+        convolutions, independent of the other clients (tested; never one row: :mod:`.lone_rows`);
+        ``vmap``'s grouped kernels and every CUDA kernel may choose another algorithm for another
+        number of clients, so there each call has exactly this many clients (padded with inert
+        copies), also when the memory budget's chunk is smaller.
         """
         if not self.batch_invariant and not self.local.compiled:
             return None
