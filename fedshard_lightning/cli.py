@@ -176,6 +176,23 @@ def _one_process(argv: list[str], config: Path) -> list[str]:
     return ["--trainer.devices", "1", "--trainer.strategy", "auto"]
 
 
+def launcher_seed() -> int | None:
+    """The seed the launching process drew, in a DDP worker that Fabric's launcher started; else None.
+
+    The launcher re-runs the command line in each worker, so ``seed_everything: true`` would draw
+    again there and rank r would train its groups from another seed than the one rank zero records
+    (the model then differs from any one-process fit and fails its audit). The launcher's
+    ``seed_everything`` left its seed in ``PL_GLOBAL_SEED``, which the worker inherits.
+    """
+    if os.environ.get("LOCAL_RANK", "0") in ("", "0"):
+        return None
+    try:
+        seed = int(os.environ.get("PL_GLOBAL_SEED", ""))
+    except ValueError:
+        return None
+    return seed if 0 <= seed < 2**32 else None
+
+
 class PlainHelpParser(ArgumentParser):
     """A jsonargparse parser whose help is plain text (for the experiments' command lines)."""
 
@@ -294,9 +311,11 @@ class FederatedCLI(LightningCLI):
                 f"seed_everything={seed}: give an integer in [0, 2**32), or true for a fresh one"
             )
         if seed is True:
-            seed = random.SystemRandom().randrange(2**31)
+            drawn = launcher_seed()
+            seed = random.SystemRandom().randrange(2**31) if drawn is None else drawn
             (self.config[self.subcommand] if self.subcommand else self.config)["seed_everything"] = seed
-            sys.stderr.write(f"seed_everything: true -> drew seed {seed}\n")
+            if drawn is None:
+                sys.stderr.write(f"seed_everything: true -> drew seed {seed}\n")
         super()._set_seed()
 
     @staticmethod

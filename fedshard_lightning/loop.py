@@ -35,7 +35,7 @@ from fedshard_lightning.unlearning.context import AlgorithmContext, LoopEvents
 from fedshard_lightning.unlearning.contract import check_params
 from fedshard_lightning.wandb_segments import close_wandb_run, supersede_fit_segments
 
-__all__ = ["TrainerEvents", "run_fit", "sample_weighted_average"]
+__all__ = ["TrainerEvents", "check_same_seed", "run_fit", "sample_weighted_average"]
 
 
 def sample_weighted_average(
@@ -265,6 +265,22 @@ def launch_fabric(
         if warning:
             sys.stderr.write(warning + "\n")
     return fabric
+
+
+def check_same_seed(fabric: L.Fabric, seed: int) -> None:
+    """Refuse processes of one DDP run that were given different seeds, on every rank alike.
+
+    Rank r trains its groups from its own seed while rank zero commits and records its own, so
+    the model would equal no one-process fit and fail its audit (a launcher that draws
+    ``seed_everything: true`` in each process, or a script that seeds each rank differently).
+    """
+    seeds = fabric.all_gather(torch.tensor([seed], dtype=torch.long, device=fabric.device))
+    seeds = [int(s) for s in seeds.flatten().tolist()]
+    if len(set(seeds)) > 1:
+        raise ConfigError(
+            f"seed_everything: the {len(seeds)} processes of this DDP run have different seeds {seeds}; "
+            "give every process the same one (--seed_everything N)"
+        )
 
 
 def load_run(trainer: Any, run_dir: Path) -> None:

@@ -31,7 +31,7 @@ from fedshard_lightning.engine.evaluate import Evaluator
 from fedshard_lightning.errors import FedShardError
 from fedshard_lightning.fingerprint import body_fingerprint, readable_body
 from fedshard_lightning.loggers import next_log_step, run_loggers
-from fedshard_lightning.loop import TrainerEvents, launch_fabric, load_run, run_fit
+from fedshard_lightning.loop import TrainerEvents, check_same_seed, launch_fabric, load_run, run_fit
 from fedshard_lightning.module import bind_model, param_dtype
 from fedshard_lightning.numerics import keep_caller_state
 from fedshard_lightning.requests import apply_request
@@ -194,6 +194,8 @@ class FederatedTrainer:
         self.fabric = launch_fabric(
             self.accelerator, self.devices, self.strategy, self.precision, self.num_threads, self.tf32
         )
+        if self.fabric.world_size > 1:  # before anything is created or trained
+            check_same_seed(self.fabric, self.seed)
 
     def _setup(
         self, model: L.LightningModule, datamodule: FederatedDataModule, run_dir: Path, command: str
