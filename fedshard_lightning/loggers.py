@@ -300,13 +300,15 @@ def _resume_step(rows: list[dict[str, str]]) -> int:
     return max(ends, default=-1) + 1
 
 
-def restore_csv_history(loggers: Sequence[Logger], rows: list[dict[str, str]]) -> tuple[int, int]:
-    """Write back the rows of the stages an interrupted fit committed; (next step, rounds kept).
+def restore_csv_history(loggers: Sequence[Logger], rows: list[dict[str, str]]) -> tuple[int, int, int]:
+    """Write back the rows of the stages an interrupted fit committed; (next step, rounds, client-steps kept).
 
     Rows after the last stage summary (``stage/...`` columns, logged once the stage's commit
     happened) belong to a stage the resumed fit trains again, so they are dropped, not repeated.
-    ``loggers``: the CSV logger, and the W&B logger when the interrupted fits' offline segments
-    were superseded (:func:`~fedshard_lightning.wandb_segments.supersede_fit_segments`).
+    The round rows' ``client_steps`` column is cumulative: the resumed fit counts on from the
+    last kept round's value, as the uninterrupted fit did. ``loggers``: the CSV logger, and the
+    W&B logger when the interrupted fits' offline segments were superseded
+    (:func:`~fedshard_lightning.wandb_segments.supersede_fit_segments`).
     """
     with warnings.catch_warnings():  # "previous log files will be deleted": we write them back
         warnings.filterwarnings("ignore", message="Experiment logs directory")
@@ -314,17 +316,19 @@ def restore_csv_history(loggers: Sequence[Logger], rows: list[dict[str, str]]) -
             _ = logger.experiment
     last = _resume_step(rows) - 1
     if last < 0:
-        return 0, 0
+        return 0, 0, 0
     kept = [r for r in rows if r.get("step") not in ("", None) and int(float(r["step"])) <= last]
-    rounds = 0
+    rounds = steps = 0
     for r in kept:
         values = {k: float(v) for k, v in r.items() if k != "step" and v not in ("", None)}
-        rounds += "round" in values
+        if "round" in values:
+            rounds += 1
+            steps = int(values.get("client_steps", steps))
         for logger in loggers:
             logger.log_metrics(values, step=int(float(r["step"])))
     for logger in loggers:
         logger.save()
-    return last + 1, rounds
+    return last + 1, rounds, steps
 
 
 def log_result(trainer: Any, row: dict[str, float]) -> None:

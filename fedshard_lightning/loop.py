@@ -179,7 +179,8 @@ def run_fit(trainer: Any, run_dir: Path, resume: bool, exclude: list[int]) -> di
         wandb_logger = getattr(trainer, "wandb_logger", None)
         if wandb_logger is not None and not finished and supersede_fit_segments(run_dir, trainer.wandb_mode):
             restore.append(wandb_logger)
-        trainer.log_step_start, trainer._events.global_round = restore_csv_history(
+        events = trainer._events
+        trainer.log_step_start, events.global_round, events.client_steps = restore_csv_history(
             restore, trainer.csv_history
         )
     if not resumed:
