@@ -9,15 +9,19 @@ an interrupt or an OS fault with the same line and exit status.
 from __future__ import annotations
 
 import contextlib
+import os
+import re
 import sys
 from collections.abc import Iterator
 
 from fedshard_lightning.errors import FedShardError, Terminated
 from fedshard_lightning.os_faults import describe, ignore_sigxfsz, terminate_as_interrupt
 
-__all__ = ["NO_CONFIG", "no_config_main", "one_line", "one_line_errors", "run_no_config"]
+__all__ = ["NO_CONFIG", "PEER_STOPPED", "no_config_main", "one_line", "one_line_errors", "run_no_config"]
 
 NO_CONFIG = ("runs", "cache")
+PEER_STOPPED = 8  # exit status: another process of a DDP run stopped (killed, or failed)
+_PEER_LOST = re.compile(r"Connection (?:closed|reset) by peer|Broken pipe", re.IGNORECASE)
 
 
 def one_line(message: str, limit: int = 600) -> str:
@@ -35,16 +39,53 @@ def one_line_errors() -> Iterator[None]:
     try:
         yield
     except FedShardError as e:
-        sys.stderr.write(f"error: {one_line(str(e))}\n")
+        _say(f"error: {one_line(str(e))}")
         raise SystemExit(2) from None
     except KeyboardInterrupt as e:
         terminated = isinstance(e, Terminated)
-        sys.stderr.write("terminated (SIGTERM)\n" if terminated else "interrupted\n")
+        _say("terminated (SIGTERM)" if terminated else "interrupted")
         raise SystemExit(143 if terminated else 130) from None
     except OSError as e:  # disk full, read-only, ulimit -f, no permission: one line, exit 3..7
         code, line = describe(e)
-        sys.stderr.write(one_line(line) + "\n")
+        _say(one_line(line))
         raise SystemExit(code) from None
+    except RuntimeError as e:
+        lost = _peer_lost(e)
+        if lost is None:
+            raise
+        _say(
+            f"error: another process of this DDP run stopped ({lost}); its own line, if it wrote one, "
+            "is above; run the command again once its cause is gone (an interrupted fit resumes with "
+            "--ckpt_path RUN_DIR)"
+        )
+        raise SystemExit(PEER_STOPPED) from None
+
+
+def _say(line: str) -> None:
+    """Write the line on rank zero only: DDP ranks fail alike, and rank zero speaks for the run.
+
+    A rank other than zero (``RANK``, or ``LOCAL_RANK`` as Fabric's launcher sets it) stays quiet;
+    its exit status is the same.
+    """
+    try:
+        rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) or 0)
+    except ValueError:
+        rank = 0
+    if rank == 0:
+        sys.stderr.write(line + "\n")
+
+
+def _peer_lost(e: RuntimeError) -> str | None:
+    """What a collective says when another process of the run is gone (gloo), else None.
+
+    Only while a process group exists: elsewhere the same words are some other failure, whose
+    traceback must stay.
+    """
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    found = _PEER_LOST.search(str(e))
+    return found.group(0) if found else None
 
 
 def no_config_main(argv: list[str]) -> bool:

@@ -1,0 +1,90 @@
+"""Bad input and stopped processes under DDP: one line from rank zero, the documented status, no traceback.
+
+Before, every rank printed the same ``error:`` line (two lines for one bad client id), and a rank
+whose peer had stopped (rank zero refused an unwritable root before the broadcast; a worker got
+SIGTERM) printed a 60-line gloo traceback, or exited 1, which means "audit FAILED".
+References: the README's exit-status table, and a one-process run's stderr (one line).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from fedshard_lightning.errors import ConfigError
+from fedshard_lightning.no_config import PEER_STOPPED, one_line_errors
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--data.num_clients", "8", "--trainer.algorithm.t0", "1", "--trainer.algorithm.t1", "1"]
+TINY += ["--trainer.enable_progress_bar", "false", "--trainer.vectorize", "always"]
+DDP = ["--trainer.strategy", "ddp", "--trainer.devices", "2"]
+LOST = "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:6360. This is typically ..."
+
+
+def _exit(error: BaseException) -> int:
+    with pytest.raises(SystemExit) as e, one_line_errors():
+        raise error
+    return e.value.code
+
+
+def test_a_worker_rank_exits_like_rank_zero_without_a_line(monkeypatch, capsys):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert _exit(ConfigError("clients: unknown client id 99")) == 2
+    assert _exit(KeyboardInterrupt()) == 130
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert _exit(ConfigError("clients: unknown client id 99")) == 2
+    assert capsys.readouterr().err == "error: clients: unknown client id 99\n"
+
+
+def test_a_lost_peer_is_one_line_only_inside_a_process_group(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    with pytest.raises(RuntimeError), one_line_errors():  # no process group: a traceback, as before
+        raise RuntimeError(LOST)
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=30))
+    try:
+        assert _exit(RuntimeError(LOST)) == PEER_STOPPED == 8
+        with pytest.raises(RuntimeError, match="unrelated"), one_line_errors():
+            raise RuntimeError("unrelated")
+    finally:
+        dist.destroy_process_group()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: another process of this DDP run stopped")
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "PL_GLOBAL_SEED")}
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, "-m", "fedshard_lightning", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+
+
+def _problems(stderr: str) -> list[str]:
+    return [
+        line for line in stderr.splitlines() if line.startswith(("error", "[rank0]", "[rank1]", "Traceback"))
+    ]
+
+
+@pytest.mark.slow
+def test_ddp_bad_input_is_one_line_and_leaves_no_run_dir(tmp_path: Path):
+    one = _cli("fit", *TINY, "--exclude_clients", "[99]", "--trainer.default_root_dir", str(tmp_path / "one"))
+    two = _cli(
+        "fit", *TINY, *DDP, "--exclude_clients", "[99]", "--trainer.default_root_dir", str(tmp_path / "two")
+    )
+    assert one.returncode == two.returncode == 2
+    assert _problems(two.stderr) == _problems(one.stderr) and len(_problems(one.stderr)) == 1, two.stderr
+    assert not any((tmp_path / "two").iterdir())  # the refused run's folder is removed
+    bad_root = tmp_path / "a_file"
+    bad_root.write_text("")
+    r = _cli("fit", *TINY, *DDP, "--trainer.default_root_dir", str(bad_root / "runs"))
+    assert r.returncode == 2 and len(_problems(r.stderr)) == 1, r.stderr
+    assert _problems(r.stderr)[0].startswith("error: trainer.default_root_dir=")
