@@ -29,6 +29,7 @@ from fedshard_lightning.engine import FederatedEngine, Group, LocalSchedule, Rou
 from fedshard_lightning.engine.allocator import configure_process
 from fedshard_lightning.errors import CacheError, ConfigError
 from fedshard_lightning.loggers import finish_loggers, restore_csv_history
+from fedshard_lightning.no_config import one_line as _one_line
 from fedshard_lightning.requests import validate_exclude
 from fedshard_lightning.run_dir import Journal, model_is_stale, recover_reports
 from fedshard_lightning.unlearning.context import AlgorithmContext, LoopEvents
@@ -257,7 +258,13 @@ def launch_fabric(
             f"trainer.accelerator={accelerator!r}, trainer.devices={devices!r}, "
             f"trainer.strategy={strategy!r}, trainer.precision={precision!r}: {e}"
         ) from None
-    fabric.launch()
+    try:
+        fabric.launch()
+    except TypeError as e:  # ddp_spawn/ddp_fork/ddp_notebook start a function, not the command again
+        raise ConfigError(
+            f"trainer.strategy={strategy!r}: the trainer's commands run in processes that re-run the "
+            f"command line; use trainer.strategy ddp ({_one_line(str(e))})"
+        ) from None
     configure_process(fabric.device, tf32)
     if num_threads is not None:
         torch.set_num_threads(num_threads)

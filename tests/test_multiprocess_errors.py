@@ -88,3 +88,13 @@ def test_ddp_bad_input_is_one_line_and_leaves_no_run_dir(tmp_path: Path):
     r = _cli("fit", *TINY, *DDP, "--trainer.default_root_dir", str(bad_root / "runs"))
     assert r.returncode == 2 and len(_problems(r.stderr)) == 1, r.stderr
     assert _problems(r.stderr)[0].startswith("error: trainer.default_root_dir=")
+
+
+@pytest.mark.parametrize("strategy", ["ddp_spawn", "ddp_fork"])
+def test_a_strategy_that_spawns_a_function_is_a_setting_error(strategy):
+    # Fabric's spawn launchers start a function; the trainer's commands need processes that re-run
+    # the command line (ddp). Before: a TypeError traceback and exit status 1 (audit FAILED).
+    from fedshard_lightning import FederatedTrainer
+
+    with pytest.raises(ConfigError, match=f"trainer.strategy='{strategy}'.*use trainer.strategy ddp"):
+        FederatedTrainer(strategy=strategy, devices=2)._launch()
