@@ -12,7 +12,8 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ from fedshard_lightning.unlearning.context import AlgorithmContext, LoopEvents
 from fedshard_lightning.unlearning.contract import check_params
 from fedshard_lightning.wandb_segments import close_wandb_run, supersede_fit_segments
 
-__all__ = ["TrainerEvents", "check_same_seed", "run_fit", "sample_weighted_average"]
+__all__ = ["TrainerEvents", "all_gather", "check_same_seed", "run_fit", "sample_weighted_average"]
 
 
 def sample_weighted_average(
@@ -51,6 +52,24 @@ def sample_weighted_average(
     w = torch.tensor([float(sum(sizes[c] for c in g)) for g in groups], dtype=torch.float64)
     w = w / w.sum()
     return {k: (v * w.to(v).view(-1, *[1] * (v.ndim - 1))).sum(0) for k, v in state.items()}
+
+
+def all_gather(fabric: L.Fabric) -> Callable[[Tensor], Tensor]:
+    """Fabric's ``all_gather`` without torch's deprecation warning for the function it calls.
+
+    Lightning 2.6 gathers with ``torch.distributed.nn.functional.all_gather``, deprecated in torch
+    2.13: every rank printed the warning at each place that gathers (6 lines in a 2-process fit),
+    about code the user cannot change.
+    """
+
+    def gather(tensor: Tensor) -> Tensor:
+        with warnings.catch_warnings():
+            warnings.filterwarnings(
+                "ignore", message=r"torch\.distributed\.nn\.functional\.all_gather is deprecated"
+            )
+            return fabric.all_gather(tensor)
+
+    return gather
 
 
 class TrainerEvents(LoopEvents):
@@ -89,7 +108,7 @@ class TrainerEvents(LoopEvents):
             events=self,
             world_size=t.fabric.world_size,
             global_rank=t.fabric.global_rank,
-            all_gather=t.fabric.all_gather,
+            all_gather=all_gather(t.fabric),
         )
 
     def stage_start(self, stage: int, groups: Sequence[Group]) -> None:
@@ -282,7 +301,7 @@ def check_same_seed(fabric: L.Fabric, seed: int) -> None:
     the model would equal no one-process fit and fail its audit (a launcher that draws
     ``seed_everything: true`` in each process, or a script that seeds each rank differently).
     """
-    seeds = fabric.all_gather(torch.tensor([seed], dtype=torch.long, device=fabric.device))
+    seeds = all_gather(fabric)(torch.tensor([seed], dtype=torch.long, device=fabric.device))
     seeds = [int(s) for s in seeds.flatten().tolist()]
     if len(set(seeds)) > 1:
         raise ConfigError(
