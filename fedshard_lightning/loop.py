@@ -37,7 +37,14 @@ from fedshard_lightning.unlearning.context import AlgorithmContext, LoopEvents
 from fedshard_lightning.unlearning.contract import check_params
 from fedshard_lightning.wandb_segments import close_wandb_run, supersede_fit_segments
 
-__all__ = ["TrainerEvents", "all_gather", "check_same_seed", "run_fit", "sample_weighted_average"]
+__all__ = [
+    "TrainerEvents",
+    "all_gather",
+    "check_same_seed",
+    "reproduce_numerics",
+    "run_fit",
+    "sample_weighted_average",
+]
 
 
 def sample_weighted_average(
@@ -191,9 +198,7 @@ def run_fit(trainer: Any, run_dir: Path, resume: bool, exclude: list[int]) -> di
         resumed = alg.resumable(manifest)
         finished = resumed and bool(manifest.get("complete"))
         if resumed:  # the stages to come must round like the committed ones (threads, ...)
-            trainer.numerics_notes = numerics.reproduce(run_dir, trainer)
-            for note in trainer.numerics_notes:
-                trainer._print(f"warning: numerics: {note}")
+            reproduce_numerics(trainer, run_dir)
     if resumed and trainer.fabric.loggers and trainer.is_global_zero:
         restore = trainer.fabric.loggers[:1]  # the CSV; W&B too when its segment takes the others' place
         wandb_logger = getattr(trainer, "wandb_logger", None)
@@ -310,6 +315,27 @@ def check_same_seed(fabric: L.Fabric, seed: int) -> None:
         )
 
 
+def reproduce_numerics(trainer: Any, run_dir: Path) -> None:
+    """Take fit's numerical environment, print its notes, and warn if fit's threads now oversubscribe the CPU.
+
+    The launch checked the threads the processes had then; fit's count (:func:`numerics.reproduce`)
+    comes later, in every process. A one-process fit with 2 threads resumed by 2 processes on 2
+    cores ran 4 threads unwarned: its last 3 stages took 186 s, the whole 2-process fit 17 s.
+    """
+    before = torch.get_num_threads()
+    trainer.numerics_notes = numerics.reproduce(run_dir, trainer)
+    for note in trainer.numerics_notes:
+        trainer._print(f"warning: numerics: {note}")
+    threads, world = torch.get_num_threads(), trainer.fabric.world_size
+    if threads != before and trainer.device.type == "cpu":
+        crowded = numerics.oversubscription_warning(threads * world)
+        if crowded and trainer.is_global_zero:
+            sys.stderr.write(
+                f"{crowded.split('; try')[0]} ({threads} thread(s), fit's count, kept for the same bits, in each of "
+                f"{world} process(es)); run it with fewer processes (--trainer.devices) or on a quieter machine\n"
+            )
+
+
 def load_run(trainer: Any, run_dir: Path) -> None:
     """After setup: restore a finished run's state (fingerprint checked), then repair what a crash left.
 
@@ -326,9 +352,7 @@ def load_run(trainer: Any, run_dir: Path) -> None:
             f"{run_dir} has no committed FLCache (cache/CURRENT); was fit interrupted before stage 1?"
         )
     manifest = trainer.store.restore(trainer.algorithm, trainer.device, trainer.vectorize)
-    trainer.numerics_notes = numerics.reproduce(run_dir, trainer)
-    for note in trainer.numerics_notes:
-        trainer._print(f"warning: numerics: {note}")
+    reproduce_numerics(trainer, run_dir)
     if not manifest.get("complete"):
         raise CacheError(
             f"{trainer.store.cache.root}: {trainer.algorithm.progress()}; "
