@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from fedshard_lightning.callbacks import FederatedCallback
 from fedshard_lightning.data import SyntheticDataModule
 from fedshard_lightning.models import MLP
 from fedshard_lightning.trainer import FederatedTrainer
@@ -59,3 +60,14 @@ def tiny_trainer(root: Path | str, rounds: int = 2, **kw: Any) -> FederatedTrain
         default_root_dir=str(root),
         **kw,
     )
+
+
+class StopAfter(FederatedCallback):
+    """Stops the fit once stage ``stage`` is committed, as a kill would."""
+
+    def __init__(self, stage: int) -> None:
+        self.stage = stage
+
+    def on_stage_end(self, trainer: Any, stage: int, metrics: dict[str, float]) -> None:
+        if stage == self.stage:
+            raise KeyboardInterrupt

@@ -14,7 +14,7 @@ from fedshard_lightning.models import MLP
 from fedshard_lightning.unlearning import FedShard
 
 
-def _objects(root, wandb: bool = False, **kwargs):
+def _objects(root, wandb: bool = False, seed: int = 3, **kwargs):
     data = small_synthetic()
     trainer = FederatedTrainer(
         algorithm=FedShard(rounds="fixed", fixed_rounds=2, batch_size=4),
@@ -22,7 +22,7 @@ def _objects(root, wandb: bool = False, **kwargs):
         enable_progress_bar=False,
         vectorize="always",
         wandb=wandb,
-        seed=3,
+        seed=seed,
         **kwargs,
     )
     return trainer, MLP(hidden=(8,), lr=0.1), data
@@ -402,15 +402,8 @@ def test_a_command_that_leaves_its_wandb_run_open_does_not_take_the_next_run_s_r
     for _ in range(2):  # the second asks again for client 2: nothing to do
         trainer, model, data = _objects(run_root, wandb=True)
         trainer.unlearn(model, data, ckpt_path=str(a), clients=[2])
-    trainer = FederatedTrainer(
-        algorithm=FedShard(rounds="fixed", fixed_rounds=2, batch_size=4),
-        default_root_dir=str(run_root),
-        enable_progress_bar=False,
-        vectorize="always",
-        wandb=True,
-        seed=4,
-    )
-    trainer.fit(MLP(hidden=(8,), lr=0.1), small_synthetic())
+    trainer, model, data = _objects(run_root, wandb=True, seed=4)
+    trainer.fit(model, data)
     b = trainer.run_dir
     for run in (a, b):
         own = json.loads((run / "wandb.json").read_text())["id"]

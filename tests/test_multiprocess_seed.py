@@ -17,22 +17,11 @@ from pathlib import Path
 import pytest
 import yaml
 from safetensors.torch import load_file
+from test_multiprocess import TINY
 
 from fedshard_lightning.cli import FederatedCLI, launcher_seed
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = [
-    "--data.num_clients",
-    "8",
-    "--trainer.algorithm.t0",
-    "1",
-    "--trainer.algorithm.t1",
-    "2",
-    "--trainer.enable_progress_bar",
-    "false",
-    "--trainer.vectorize",
-    "always",
-]
 DDP = ["--trainer.strategy", "ddp", "--trainer.devices", "2"]
 
 

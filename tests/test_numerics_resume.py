@@ -13,21 +13,9 @@ import json
 
 import pytest
 import torch
-from _tiny import tiny_data, tiny_model, tiny_trainer
+from _tiny import StopAfter, tiny_data, tiny_model, tiny_trainer
 
-from fedshard_lightning.callbacks import FederatedCallback
 from fedshard_lightning.models import MLP
-
-
-class _StopAfter(FederatedCallback):
-    """Stops the fit once stage ``stage`` is committed, as a kill would."""
-
-    def __init__(self, stage: int) -> None:
-        self.stage = stage
-
-    def on_stage_end(self, trainer, stage, metrics) -> None:
-        if stage == self.stage:
-            raise KeyboardInterrupt
 
 
 def _fit(root, threads, ckpt_path=None, callbacks=None, name=None):
@@ -46,7 +34,7 @@ def restore_threads():
 def test_resume_uses_the_interrupted_fits_threads(tmp_path, capsys, restore_threads):
     reference = _fit(tmp_path, 2, name="uninterrupted")
     with pytest.raises(KeyboardInterrupt):
-        _fit(tmp_path, 2, callbacks=[_StopAfter(2)], name="killed")
+        _fit(tmp_path, 2, callbacks=[StopAfter(2)], name="killed")
     run = tmp_path / "killed"
     assert json.loads((run / "numerics.json").read_text())["threads"] == 2  # recorded at the first commit
     caller = torch.get_num_threads()

@@ -13,21 +13,9 @@ import json
 from pathlib import Path
 
 import pytest
-from _tiny import tiny_data, tiny_model, tiny_trainer
+from _tiny import StopAfter, tiny_data, tiny_model, tiny_trainer
 
-from fedshard_lightning.callbacks import FederatedCallback
 from fedshard_lightning.models import MLP
-
-
-class _StopAfter(FederatedCallback):
-    """Stops the fit once stage ``stage`` is committed, as a kill would."""
-
-    def __init__(self, stage: int) -> None:
-        self.stage = stage
-
-    def on_stage_end(self, trainer, stage, metrics) -> None:
-        if stage == self.stage:
-            raise KeyboardInterrupt
 
 
 def _fit(root: Path, name: str, ckpt_path: str | None = None, callbacks=None) -> Path:
@@ -45,7 +33,7 @@ def _rounds(run: Path) -> list[dict[str, str]]:
 def test_resumed_rows_count_client_steps_on(tmp_path: Path):
     reference = _fit(tmp_path, "uninterrupted")
     with pytest.raises(KeyboardInterrupt):
-        _fit(tmp_path, "killed", callbacks=[_StopAfter(2)])
+        _fit(tmp_path, "killed", callbacks=[StopAfter(2)])
     run = _fit(tmp_path, "killed", ckpt_path=str(tmp_path / "killed"))
     ref, got = _rounds(reference), _rounds(run)
     assert len(got) == len(ref) > 0 and len({r["step"] for r in got}) == len(got)  # no duplicate rows
