@@ -268,11 +268,13 @@ def launch_fabric(
     precision: str,
     num_threads: int | None = None,
     tf32: bool | None = None,
+    warn: bool = True,
 ) -> L.Fabric:
     """Create and launch Fabric (with ``strategy: ddp`` this starts the other processes).
 
     Then the process-wide settings, once: the allocator, the intra-op thread count, and a one-line
-    warning on rank zero when the processes' threads oversubscribe the CPU.
+    warning on rank zero when the processes' threads oversubscribe the CPU (``warn``: a fit; the
+    other commands take fit's count and check it then, :func:`reproduce_numerics`).
     """
     try:
         fabric = L.Fabric(accelerator=accelerator, devices=devices, strategy=strategy, precision=precision)
@@ -292,7 +294,7 @@ def launch_fabric(
     configure_process(fabric.device, tf32)
     if num_threads is not None:
         torch.set_num_threads(num_threads)
-    if fabric.is_global_zero and fabric.device.type == "cpu":
+    if warn and fabric.is_global_zero and fabric.device.type == "cpu":
         warning = numerics.oversubscription_warning(torch.get_num_threads() * fabric.world_size)
         if warning:
             sys.stderr.write(warning + "\n")
@@ -327,7 +329,9 @@ def reproduce_numerics(trainer: Any, run_dir: Path) -> None:
     for note in trainer.numerics_notes:
         trainer._print(f"warning: numerics: {note}")
     threads, world = torch.get_num_threads(), trainer.fabric.world_size
-    if threads != before and trainer.device.type == "cpu":
+    # A resumed fit's launch checked these threads already; test, unlearn and audit launch unchecked.
+    checked_at_launch = getattr(trainer, "_command", None) == "fit" and threads == before
+    if not checked_at_launch and trainer.device.type == "cpu":
         crowded = numerics.oversubscription_warning(threads * world)
         if crowded and trainer.is_global_zero:
             sys.stderr.write(

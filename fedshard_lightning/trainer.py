@@ -187,12 +187,16 @@ class FederatedTrainer:
         return self.store.requests if self.store is not None else []
 
     # -- setup -----------------------------------------------------------------------------------
-    def _launch(self) -> None:
-        """Create and launch Fabric once (with ``strategy: ddp`` this starts the other processes)."""
+    def _launch(self, warn: bool = True) -> None:
+        """Create and launch Fabric once (with ``strategy: ddp`` this starts the other processes).
+
+        ``warn``: check the threads against the cores now (a fit); test, unlearn and audit take
+        fit's count and check that one instead.
+        """
         if self.fabric is not None:
             return
         self.fabric = launch_fabric(
-            self.accelerator, self.devices, self.strategy, self.precision, self.num_threads, self.tf32
+            self.accelerator, self.devices, self.strategy, self.precision, self.num_threads, self.tf32, warn
         )
         if self.fabric.world_size > 1:  # before anything is created or trained
             check_same_seed(self.fabric, self.seed)
@@ -201,7 +205,7 @@ class FederatedTrainer:
         self, model: L.LightningModule, datamodule: FederatedDataModule, run_dir: Path, command: str
     ) -> None:
         check_inputs(model, datamodule)
-        self._launch()
+        self._launch(warn=command == "fit")
         self.run_dir, self._command = run_dir, command
         self.module, self.datamodule = model, datamodule
         # Fabric takes loggers and callbacks at construction, but the run directory (where the

@@ -46,3 +46,27 @@ def test_fits_threads_on_too_few_cores_are_named(tmp_path, monkeypatch, capsys, 
     assert ("oversubscribed" in err) == warned, err
     if warned:
         assert "2 thread(s), fit's count" in err and "--trainer.devices" in err
+
+
+def test_unlearn_on_a_crowded_machine_warns_once_with_advice_it_can_follow(tmp_path, monkeypatch, capsys):
+    """unlearn takes fit's thread count for the same bits, so the launch's "try --trainer.num_threads 1"
+    (which unlearn would override) is not given; one line names fit's count instead."""
+    before = torch.get_num_threads()
+    try:
+        _fit(tmp_path, 2)
+        capsys.readouterr()
+        monkeypatch.setattr(os, "cpu_count", lambda: 1)
+        monkeypatch.setattr(os, "getloadavg", lambda: (1.0, 1.0, 1.0))
+        tr = tiny_trainer(tmp_path, vectorize="always", num_threads=2)  # fit's count: launch had advised 1
+        tr.unlearn(
+            tiny_model(MLP),
+            tiny_data((6,), per_client=12, classes=3, partition="iid"),
+            str(tmp_path / "run"),
+            [1],
+        )
+    finally:
+        torch.set_num_threads(before)
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if "oversubscribed" in x]
+    assert len(lines) == 1, err
+    assert "2 thread(s), fit's count" in lines[0] and "--trainer.num_threads" not in lines[0], lines
