@@ -8,11 +8,16 @@ one padded with inert copies of its last client whose results are dropped.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 from torch import Tensor
 
-from fedshard_lightning.engine.local import ClientBatch, LocalResult, LocalTrainer
+from fedshard_lightning.engine.client_loop import ClientBatch, LocalResult
+
+if TYPE_CHECKING:
+    from fedshard_lightning.engine.local import LocalTrainer
 
 __all__ = ["train_in_blocks"]
 

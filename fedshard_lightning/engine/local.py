@@ -27,8 +27,9 @@ from torch.func import functional_call, vmap
 from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.engine.chain import StackedChain
 from fedshard_lightning.engine.client_loop import ClientBatch, LocalResult, run_client_loop
+from fedshard_lightning.engine.fixed_blocks import train_in_blocks
 from fedshard_lightning.engine.kernel_choice import choose_kernel
-from fedshard_lightning.engine.lone_rows import min_rows, train_one_padded
+from fedshard_lightning.engine.lone_rows import min_rows
 from fedshard_lightning.engine.mixed_sizes import mixed_sizes_fixed, mixed_sizes_split
 from fedshard_lightning.engine.optim import OptimizerSpec, RoundLR, fused_sgd_lr, round_lr, shrink_optimizer
 from fedshard_lightning.engine.plan_ahead import BatchPlans
@@ -258,10 +259,10 @@ class LocalTrainer:
         m_all = len(batch.clients)
         b = self.schedule.batch_size
         device = next(iter(start.values())).device
-        # Never a step over one client row on a multi-threaded CPU (see .lone_rows).
         floor = 1 if fixed or (chain is None and self._program is None) else min_rows(device)
-        if m_all == 1 < floor:
-            return train_one_padded(self, start, batch, rows)
+        if m_all == 1 < floor:  # never one client row on a multi-threaded CPU (.lone_rows): a block of 2
+            one = torch.zeros(1, dtype=torch.long, device=device) if rows is None else rows
+            return train_in_blocks(self, floor, start, one, batch)
         lay = self.layouts(gsz, steps, device, chain is not None)
         order, order_t, in_order, s_max, gsz = lay.order, lay.order_t, lay.in_order, lay.s_max, lay.gsz
         gidx_t = torch.as_tensor(

@@ -6,7 +6,8 @@ sums differently: with two threads the chain's fused update ``baddbmm(w, g^T, h,
 the digits MLP's ``[600 x 10] @ [10 x 64]`` gives a lone client other float32 bits than the same
 client among others (every batch of two or more agrees; with one thread every batch agrees). The
 free stacked path (hand-written and fx kernels on the CPU, :meth:`.FederatedEngine.invariant_block`)
-therefore pads a one-client call with an inert copy of its client, and keeps a finished client's
+therefore pads a one-client call with an inert copy of its client (a fixed-shape block of two,
+:func:`.fixed_blocks.train_in_blocks`), and keeps a finished client's
 row (its results copied out, its later updates discarded, its loss weights 0) rather than shrink
 to one row. ``tests/engine/test_lone_rows.py`` checks a client alone against the client among
 others.
@@ -14,35 +15,11 @@ others.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
-from torch import Tensor
 
-from fedshard_lightning.engine.client_loop import ClientBatch, LocalResult
-
-if TYPE_CHECKING:
-    from fedshard_lightning.engine.local import LocalTrainer
-
-__all__ = ["min_rows", "train_one_padded"]
+__all__ = ["min_rows"]
 
 
 def min_rows(device: torch.device) -> int:
     """Fewest client rows a free stacked step may have on ``device`` (2 on a multi-threaded CPU)."""
     return 2 if device.type == "cpu" and torch.get_num_threads() > 1 else 1
-
-
-def train_one_padded(
-    local: LocalTrainer, start: dict[str, Tensor], batch: ClientBatch, rows: Tensor | None
-) -> LocalResult:
-    """``local.train_stacked`` of a one-client ``batch`` as a fixed call of it and an inert copy."""
-    device = next(iter(start.values())).device
-    rw = torch.zeros(2, dtype=torch.long, device=device) if rows is None else rows[:1].expand(2)
-    twice = ClientBatch(batch.clients * 2, batch.groups * 2, batch.stage, batch.round)
-    res = local.train_stacked(start, twice, rw, fixed=True)
-    return LocalResult(
-        {k: v[:1] for k, v in res.params.items()},
-        res.steps[:1],
-        res.loss_sum[:1],
-        {k: v[:1] for k, v in res.logs.items()},
-    )
