@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import json
 import os
 import secrets
 import warnings
@@ -28,13 +27,14 @@ from typing import Any
 
 from lightning.fabric.loggers import CSVLogger, Logger
 
-from fedshard_lightning.cache_io import read_json_object
 from fedshard_lightning.errors import ConfigError
 from fedshard_lightning.init_args import init_args
 from fedshard_lightning.wandb_segments import (
     close_stale_run,
     record_fit_segment,
     remember_run,
+    wandb_state,
+    write_wandb_state,
 )
 
 __all__ = [
@@ -108,11 +108,6 @@ def run_name(hparams: dict[str, Any]) -> str:
     return f"{hparams['method']}-{setting_name(hparams)}-s{hparams['seed']}"
 
 
-def wandb_state(run_dir: Path) -> dict[str, Any]:
-    """``RUN/wandb.json``: the W&B run id (and the last logged step) of this run directory."""
-    return read_json_object(run_dir / "wandb.json") or {}
-
-
 def _csv_rows(run_dir: Path) -> list[dict[str, str]]:
     """Every row of the run's CSV files (``logs/metrics.csv``, ``logs/<command>-N/metrics.csv``)."""
     paths = [run_dir / "logs" / "metrics.csv", *sorted(run_dir.glob("logs/*/metrics.csv"))]
@@ -167,7 +162,7 @@ def _wandb_logger(run_dir: Path, trainer: Any, hparams: dict[str, Any]) -> Logge
             "group": trainer.wandb_group or setting_name(hparams),
             "step": 0,
         }
-        (run_dir / "wandb.json").write_text(json.dumps(state, indent=2) + "\n")
+        write_wandb_state(run_dir, state)
     remember_run(state["id"])
     logger = WandbLogger(
         project=state.get("project", trainer.wandb_project),
@@ -357,7 +352,7 @@ def finish_loggers(
         if run_dir is not None and step is not None and (run_dir / "wandb.json").is_file():
             state = wandb_state(run_dir)
             state["step"] = max(int(state.get("step", 0)), step)
-            (run_dir / "wandb.json").write_text(json.dumps(state, indent=2) + "\n")
+            write_wandb_state(run_dir, state)
 
 
 def log_wandb_report(

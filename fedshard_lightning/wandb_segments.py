@@ -17,11 +17,12 @@ the fit logs only its new rounds, as before.
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 from pathlib import Path
 from typing import Any
+
+from fedshard_lightning.cache_io import atomic_write_json, read_json_object
 
 __all__ = [
     "close_stale_run",
@@ -29,6 +30,8 @@ __all__ = [
     "record_fit_segment",
     "remember_run",
     "supersede_fit_segments",
+    "wandb_state",
+    "write_wandb_state",
 ]
 
 _OURS: set[str] = set()  # ids of the W&B runs this process opened for a run directory
@@ -36,14 +39,14 @@ _OURS: set[str] = set()  # ids of the W&B runs this process opened for a run dir
 _KEY = "fit_segments"
 
 
-def _state(run_dir: Path) -> dict[str, Any]:
-    from fedshard_lightning.loggers import wandb_state
+def wandb_state(run_dir: Path) -> dict[str, Any]:
+    """``RUN/wandb.json``: the W&B run id (and the last logged step) of this run directory."""
+    return read_json_object(run_dir / "wandb.json") or {}
 
-    return wandb_state(run_dir)
 
-
-def _write(run_dir: Path, state: dict[str, Any]) -> None:
-    (run_dir / "wandb.json").write_text(json.dumps(state, indent=2) + "\n")
+def write_wandb_state(run_dir: Path, state: dict[str, Any]) -> None:
+    """Replace ``RUN/wandb.json`` atomically (a crash leaves the old record, never half of one)."""
+    atomic_write_json(run_dir / "wandb.json", state)
 
 
 def supersede_fit_segments(run_dir: Path, mode: str) -> bool:
@@ -54,7 +57,7 @@ def supersede_fit_segments(run_dir: Path, mode: str) -> bool:
     resumed fit's own segment must hold the whole kept history; ``False`` in online mode or when
     one was uploaded already (a ``.synced`` marker beside it, or an online run).
     """
-    state = _state(run_dir)
+    state = wandb_state(run_dir)
     names = [str(n) for n in state.get(_KEY, [])]
     earlier, own = names[:-1], names[-1:]
     root = run_dir / "wandb_files" / "wandb"
@@ -69,7 +72,7 @@ def supersede_fit_segments(run_dir: Path, mode: str) -> bool:
             shutil.move(str(root / name), str(target / name))
     if earlier:
         state[_KEY] = own
-        _write(run_dir, state)
+        write_wandb_state(run_dir, state)
     return True
 
 
@@ -79,9 +82,9 @@ def record_fit_segment(run_dir: Path, logger: Any) -> None:
     folder = Path(str(getattr(run, "dir", "") or "")).parent
     if not folder.name:
         return
-    state = _state(run_dir)
+    state = wandb_state(run_dir)
     state[_KEY] = [*state.get(_KEY, []), folder.name]
-    _write(run_dir, state)
+    write_wandb_state(run_dir, state)
 
 
 def close_wandb_run(wandb: bool) -> None:
