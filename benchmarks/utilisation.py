@@ -42,7 +42,7 @@ def matmul_peak(size: int, repeats: int, device: str = "cpu") -> float:
 
 def flops_per_sample(model: torch.nn.Module, dm, batch: int) -> float:
     """Counted forward + backward FLOPs of one sample in a batch of ``batch``."""
-    x, y = dm.gather(dm.client_indices[0][:batch].repeat(batch)[:batch])
+    x, y = dm.gather(dm.client_indices[0][:batch].repeat(batch)[:batch].to(dm.train_y.device))
     counter = FlopCounterMode(display=False)
     with counter:
         loss = model.per_sample_loss((x, y)).mean()

@@ -183,7 +183,8 @@ class LocalTrainer:
         """A few samples of up to three non-empty clients, [C, B, ...], for the program check."""
         own = [ix for ix in self.dm.client_indices if len(ix) > 0][:3]
         k = min(4, *(len(ix) for ix in own))
-        return self.dm.gather(torch.stack([ix[:k] for ix in own]), self.dtype)
+        index = torch.stack([ix[:k] for ix in own]).to(self.dm.train_y.device)  # indices live on the host
+        return self.dm.gather(index, self.dtype)
 
     def _grad(
         self,
