@@ -22,6 +22,7 @@ from torch import Tensor, fx, nn
 
 from fedshard_lightning.engine.chain_dense import DenseChain
 from fedshard_lightning.engine.kernel_check import Reference, Unsupported, require_close
+from fedshard_lightning.engine.per_client_ops import PerClient
 from fedshard_lightning.engine.stacked import StackedProgram, stacked_conv2d, stacked_linear
 
 __all__ = ["StackedChain"]
@@ -112,8 +113,10 @@ class StackedChain:
     def _simple(gm: fx.GraphModule, node: fx.Node) -> _Op:
         target = node.target
         if node.op == "call_module":
-            target = type(gm.get_submodule(node.target))
             sub = gm.get_submodule(node.target)
+            if isinstance(sub, PerClient):  # a position-dependent activation (.per_client_ops)
+                raise Unsupported(f"{sub.name} has no hand-written backward")
+            target = type(sub)
             if target is nn.ReLU:
                 return _Op("relu")
             if target is nn.Tanh:

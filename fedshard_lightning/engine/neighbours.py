@@ -6,8 +6,9 @@ own kernels keep that (one GEMM per client, fixed-shape calls where kernels vary
 count), but an elementwise operator may not: on the CPU, float32 ``sigmoid``, ``silu``, ``elu``,
 ``mish``, ``softplus`` and tanh-``gelu`` (forward or backward) round a tensor's vectorized body
 and its scalar tail differently, and which of a client's elements fall in the tail depends on its
-row and on how many clients are stacked. No list of operators can be complete (a user's
-``training_step`` may call anything), so :func:`neighbour_dependence` trains a few clients both
+row and on how many clients are stacked. The fx kernel applies those it knows per client
+(:mod:`.per_client_ops`), but no list of operators can be complete (a user's ``training_step``
+under ``vmap`` may call anything), so :func:`neighbour_dependence` trains a few clients both
 alone and among others, through the engine's own stacked call, and compares the bits.
 """
 

@@ -35,6 +35,7 @@ from fedshard_lightning.engine.kernel_check import (
     _LossOf,
     require_close,
 )
+from fedshard_lightning.engine.per_client_ops import ClientChunks, per_client_op
 from fedshard_lightning.engine.trace import trace
 
 __all__ = [
@@ -215,15 +216,20 @@ class StackedProgram:
     Args:
         graph_module: The rewritten graph: ``(x, y, *params) -> losses [C*B]``.
         order: Parameter names in the order of the graph's parameter inputs.
+        chunks: The client split its position-dependent operators use (:mod:`.per_client_ops`).
     """
 
-    def __init__(self, graph_module: fx.GraphModule, order: list[str]) -> None:
+    def __init__(
+        self, graph_module: fx.GraphModule, order: list[str], chunks: ClientChunks | None = None
+    ) -> None:
         self.gm = graph_module
         self.order = order
+        self.chunks = chunks if chunks is not None else ClientChunks()
 
     def __call__(self, params: dict[str, Tensor], x: Tensor, y: Tensor) -> Tensor:
         """Per-sample losses [C, B] of stacked params [C, ...] on x [C, B, ...] and y [C, B]."""
         c, b = y.shape[:2]
+        self.chunks.clients = c
         out = self.gm(x.reshape(c * b, *x.shape[2:]), y.reshape(c * b), *[params[n] for n in self.order])
         if out.shape != (c * b,):
             raise Unsupported(
@@ -247,6 +253,7 @@ class StackedProgram:
                 f"per_sample_loss is not traceable by torch.fx ({type(err).__name__}: {err})"
             ) from err
         trainable = set(names)
+        chunks = ClientChunks()
         graph = fx.Graph()
         env: dict[fx.Node, fx.Node] = {}
         order: list[str] = []
@@ -312,11 +319,17 @@ class StackedProgram:
                 node.target not in _PER_SAMPLE_METHODS or not _per_sample_args(node)
             ):
                 raise Unsupported(f"tensor method {node.target} has no stacked form")
+            per_client = per_client_op(node, root, chunks)
+            if per_client is not None:  # rounds by position: each client's chunk on its own
+                name = f"per_client_{len(env)}"
+                root.add_module(name, per_client)
+                env[node] = graph.call_module(name, (env[node.args[0]],))
+                continue
             env[node] = graph.node_copy(node, lambda n: env[n])
         if set(order) != used or set(order) != trainable:
             raise Unsupported("some trainable parameters are not inside a stackable layer")
         gm = fx.GraphModule(root, graph)
-        return cls(gm, order)
+        return cls(gm, order, chunks)
 
     def check(self, ref: Reference, x: Tensor, y: Tensor, rtol: float = 1e-4) -> None:
         """Compare losses and gradients with the user's loss (``ref``); raise :class:`Unsupported` if they differ.

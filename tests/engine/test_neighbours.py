@@ -3,7 +3,9 @@
 On the CPU, float32 ``sigmoid`` rounds a tensor's vectorized body and scalar tail differently, so
 a client's hidden activations (5 samples x 15 units, not a multiple of the vector width) got
 other bits alone than among 7 others, and the digits audit (an independent retrain without the
-client) missed by 1.5e-7. ReLU rounds nowhere: it stays stacked and bit-exact.
+client) missed by 1.5e-7. The fx kernel now applies it per client (``test_per_client_ops.py``);
+under ``vmap`` (an overridden ``training_step``) it still depends on the neighbours, which the
+probe catches. ReLU rounds nowhere: it stays stacked and bit-exact.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch
 from _tiny import tiny_data, tiny_model, tiny_trainer
 from torch import nn
 
-from fedshard_lightning.data import DigitsDataModule
+from fedshard_lightning.data import SyntheticDataModule
 from fedshard_lightning.engine import FederatedEngine, LocalSchedule, stack_params
 from fedshard_lightning.engine.local import ClientBatch
 from fedshard_lightning.engine.neighbours import neighbour_dependence
@@ -21,12 +23,18 @@ from fedshard_lightning.errors import ConfigError
 from fedshard_lightning.models import MLP
 
 
-class SigmoidMLP(MLP):
-    """The tiny MLP with Sigmoid in place of ReLU."""
+class VmapSiLUMLP(MLP):
+    """The tiny MLP with SiLU and its own ``training_step``, so it trains under ``vmap`` (no per-client form)."""
+
+    def __init__(self, hidden: tuple[int, ...] = (15,), **kwargs) -> None:
+        super().__init__(hidden=hidden, **kwargs)
 
     def configure_model(self) -> None:
         super().configure_model()
-        self.net = nn.Sequential(*[nn.Sigmoid() if isinstance(m, nn.ReLU) else m for m in self.net])
+        self.net = nn.Sequential(*[nn.SiLU() if isinstance(m, nn.ReLU) else m for m in self.net])
+
+    def training_step(self, batch, batch_idx=0):
+        return self.per_sample_loss(batch).mean()
 
 
 def _model(cls: type) -> nn.Module:
@@ -34,12 +42,12 @@ def _model(cls: type) -> nn.Module:
     return cls(hidden=(15,), lr=0.1)
 
 
-def _data() -> DigitsDataModule:
-    return DigitsDataModule(num_clients=8, partition="dirichlet", rho=0.5, min_client_size=10, seed=0)
+def _data() -> SyntheticDataModule:
+    return tiny_data()  # on digits the vmap path's probe happened to find no dependence
 
 
 def _fit_unlearn_audit(root, cls: type, vectorize: str, capsys) -> tuple[dict, str]:
-    """Digits (batch 5 x 15 hidden units per client), fit, unlearn client 3, audit."""
+    """Batch 5 x 15 hidden units per client: fit, unlearn client 3, audit."""
     tiny_trainer(root, vectorize=vectorize, run_name="r").fit(_model(cls), _data())
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("local training"))
     tiny_trainer(root, vectorize=vectorize, run_name="r").unlearn(_model(cls), _data(), root / "r", [3])
@@ -52,7 +60,7 @@ def _no_kept_decisions(monkeypatch):
 
 
 def test_position_dependent_activation_runs_on_the_loop_and_audits_bit_exact(tmp_path, capsys):
-    res, line = _fit_unlearn_audit(tmp_path, SigmoidMLP, "auto", capsys)
+    res, line = _fit_unlearn_audit(tmp_path, VmapSiLUMLP, "auto", capsys)
     assert res["max_abs_diff"] == 0.0 and res["passed"]  # 1e-7 on the stacked path before
     assert line.startswith("local training: per-client loop"), line
     assert (
@@ -64,7 +72,7 @@ def test_always_refuses_it_in_one_line(tmp_path, capsys):
     with pytest.raises(
         ConfigError, match=r"vectorize=always: stacked results depend on the neighbouring"
     ) as err:
-        _fit_unlearn_audit(tmp_path, SigmoidMLP, "always", capsys)
+        _fit_unlearn_audit(tmp_path, VmapSiLUMLP, "always", capsys)
     assert "set trainer.vectorize to auto or never" in str(err.value) and "\n" not in str(err.value)
 
 
@@ -77,7 +85,7 @@ def test_relu_stays_stacked_and_bit_exact(tmp_path, capsys):
 def test_probe_only_where_the_engine_promises_invariance():
     dm = tiny_data()
     dm.setup()
-    m = tiny_model(SigmoidMLP)
+    m = tiny_model(VmapSiLUMLP)
     m.bind_data(dm.input_shape, dm.num_classes)
     eng = FederatedEngine(m, dm, LocalSchedule(batch_size=5), seed=1, vectorize="always")
     eng._mode = "stacked"
