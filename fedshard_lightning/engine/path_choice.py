@@ -48,8 +48,9 @@ __all__ = [
 ]
 
 # The probe's version: decisions kept on disk by a probe that did not compare the paths' losses
-# and a client's bits alone and among others (neighbours.py) are made again.
-_PROBE = "probe 3 (losses and neighbours compared)"
+# and a client's bits alone and among others (neighbours.py), or that saw the fx kernel apply
+# sigmoid-like activations over all clients at once (per_client_ops.py), are made again.
+_PROBE = "probe 4 (losses and neighbours compared; per-client activations)"
 
 # Decisions of this process: signature -> (path, reason).
 _DECIDED: dict[str, tuple[str, str]] = {}
