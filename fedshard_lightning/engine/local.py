@@ -180,11 +180,10 @@ class LocalTrainer:
         return self.spec if self.lr_at is None else self.spec.with_lrs(self.lr_at(round_))
 
     def _check_sample(self) -> tuple[Tensor, Tensor]:
-        """A few samples of up to three non-empty clients, [C, B, ...], for the program check."""
+        """A few samples of up to three non-empty clients, [C, B, ...], for the program check (indices are host tensors)."""
         own = [ix for ix in self.dm.client_indices if len(ix) > 0][:3]
         k = min(4, *(len(ix) for ix in own))
-        index = torch.stack([ix[:k] for ix in own]).to(self.dm.train_y.device)  # indices live on the host
-        return self.dm.gather(index, self.dtype)
+        return self.dm.gather(torch.stack([ix[:k] for ix in own]).to(self.dm.train_y.device), self.dtype)
 
     def _grad(
         self,
