@@ -269,10 +269,13 @@ def run_loggers(trainer: Any, run_dir: Path, command: str, resume: bool = False)
         purge = _resume_step(trainer.csv_history) if resume else None
         loggers.append(tensorboard_logger(run_dir, version or "fit", purge))
     loggers += trainer.user_loggers
-    for logger in loggers:
+    # A resumed fit's W&B run opens once the resume is accepted (wandb_resume.open_resumed_fit_run).
+    deferred = wandb_logger if command == "fit" and resume else None
+    trainer.wandb_deferred = deferred is not None
+    for logger in (lg for lg in loggers if lg is not deferred):
         with contextlib.suppress(NotImplementedError):  # Fabric's CSVLogger: config.yaml holds them
             logger.log_hyperparams(hparams)
-    if wandb_logger is not None and command == "fit":
+    if wandb_logger is not None and command == "fit" and deferred is None:
         record_fit_segment(run_dir, wandb_logger)
     return loggers
 

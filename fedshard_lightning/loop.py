@@ -35,7 +35,8 @@ from fedshard_lightning.requests import validate_exclude
 from fedshard_lightning.run_dir import Journal, model_is_stale, recover_reports
 from fedshard_lightning.unlearning.context import AlgorithmContext, LoopEvents
 from fedshard_lightning.unlearning.contract import check_params
-from fedshard_lightning.wandb_segments import close_wandb_run, supersede_fit_segments
+from fedshard_lightning.wandb_resume import open_resumed_fit_run
+from fedshard_lightning.wandb_segments import close_wandb_run
 
 __all__ = [
     "TrainerEvents",
@@ -199,11 +200,11 @@ def run_fit(trainer: Any, run_dir: Path, resume: bool, exclude: list[int]) -> di
         finished = resumed and bool(manifest.get("complete"))
         if resumed:  # the stages to come must round like the committed ones (threads, ...)
             reproduce_numerics(trainer, run_dir)
+    replay = False  # W&B too when its segment takes the others' place (wandb_resume)
+    if trainer.is_global_zero and getattr(trainer, "wandb_deferred", False):
+        replay = open_resumed_fit_run(trainer, run_dir, resumed, finished)
     if resumed and trainer.fabric.loggers and trainer.is_global_zero:
-        restore = trainer.fabric.loggers[:1]  # the CSV; W&B too when its segment takes the others' place
-        wandb_logger = getattr(trainer, "wandb_logger", None)
-        if wandb_logger is not None and not finished and supersede_fit_segments(run_dir, trainer.wandb_mode):
-            restore.append(wandb_logger)
+        restore = trainer.fabric.loggers[:1] + ([trainer.wandb_logger] if replay else [])  # the CSV first
         events = trainer._events
         trainer.log_step_start, events.global_round, events.client_steps = restore_csv_history(
             restore, trainer.csv_history

@@ -25,6 +25,7 @@ from typing import Any
 from fedshard_lightning.cache_io import atomic_write_json, read_json_object
 
 __all__ = [
+    "can_supersede",
     "close_stale_run",
     "close_wandb_run",
     "record_fit_segment",
@@ -61,9 +62,7 @@ def supersede_fit_segments(run_dir: Path, mode: str) -> bool:
     names = [str(n) for n in state.get(_KEY, [])]
     earlier, own = names[:-1], names[-1:]
     root = run_dir / "wandb_files" / "wandb"
-    if mode != "offline" or any(
-        not n.startswith("offline-run-") or any((root / n).glob("*.wandb.synced")) for n in earlier
-    ):
+    if mode != "offline" or not can_supersede(run_dir, earlier):
         return False
     target = run_dir / "wandb_files" / "superseded"
     for name in earlier:
@@ -74,6 +73,14 @@ def supersede_fit_segments(run_dir: Path, mode: str) -> bool:
         state[_KEY] = own
         write_wandb_state(run_dir, state)
     return True
+
+
+def can_supersede(run_dir: Path, earlier: list[str]) -> bool:
+    """Whether none of these fit segments was uploaded: each offline and without wandb sync's ``.synced`` marker."""
+    root = run_dir / "wandb_files" / "wandb"
+    return not any(
+        not n.startswith("offline-run-") or any((root / n).glob("*.wandb.synced")) for n in map(str, earlier)
+    )
 
 
 def record_fit_segment(run_dir: Path, logger: Any) -> None:

@@ -1,0 +1,60 @@
+"""How a resumed fit opens its W&B run, so that the run's history ends up equal to ``logs/metrics.csv``.
+
+A resumed fit keeps the CSV rows of the stages its interrupted runs committed and trains the rest
+again. Its W&B run is opened only once the resume was accepted (a refused one opens nothing) and
+then in one of three ways:
+
+- the fit was complete and its W&B run was finished with its final row (``RUN/wandb.json``'s step
+  is past it): nothing is trained, so nothing is logged to W&B (its history has every row already);
+- offline, no earlier fit segment uploaded: the earlier segments are superseded and the CSV's kept
+  rows are replayed into the new segment (:func:`~.wandb_segments.supersede_fit_segments`);
+- otherwise (online, or an earlier segment synced already) the run is resumed and keeps the
+  interrupted stage's rows.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from fedshard_lightning.loggers import _resume_step, run_hparams
+from fedshard_lightning.wandb_segments import (
+    can_supersede,
+    record_fit_segment,
+    supersede_fit_segments,
+    wandb_state,
+)
+
+__all__ = ["committed_rows", "open_resumed_fit_run"]
+
+
+def _offline(trainer: Any) -> bool:
+    """Whether W&B writes offline segments (``WANDB_MODE`` wins over the setting, as in ``wandb.init``)."""
+    return trainer.wandb_mode == "offline" or os.environ.get("WANDB_MODE") in ("offline", "dryrun")
+
+
+def committed_rows(rows: list[dict[str, str]]) -> tuple[int, int]:
+    """(CSV rows a resumed fit keeps, the step after them): those up to the last stage summary."""
+    step = _resume_step(rows)
+    return sum(1 for r in rows if r.get("step") not in ("", None) and int(float(r["step"])) < step), step
+
+
+def open_resumed_fit_run(trainer: Any, run_dir: Path, resumed: bool, finished: bool) -> bool:
+    """Open the W&B run of a fit started with ``ckpt_path``; whether the CSV's kept rows must be replayed into it.
+
+    ``resumed``: the restored state is trained on (else the fit starts over and its W&B run is
+    resumed as before). ``finished``: the restored state was complete. Drops the W&B logger from
+    the fit's loggers when its run already holds every row.
+    """
+    logger, trainer.wandb_deferred = trainer.wandb_logger, False
+    _, next_step = committed_rows(trainer.csv_history)
+    state = wandb_state(run_dir)
+    if resumed and finished and int(state.get("step", 0)) > next_step:  # its final row is there
+        trainer.fabric._loggers = [lg for lg in trainer.fabric._loggers if lg is not logger]
+        trainer.wandb_logger = None
+        return False
+    replay = resumed and _offline(trainer) and can_supersede(run_dir, [*state.get("fit_segments", [])])
+    logger.log_hyperparams(run_hparams(trainer))  # opens the run
+    record_fit_segment(run_dir, logger)
+    return replay and supersede_fit_segments(run_dir, "offline")
