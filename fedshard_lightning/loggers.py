@@ -7,7 +7,7 @@ constructor argument of model, data and algorithm). A W&B run is named after its
 method and seed), and its id is stored in ``RUN/wandb.json`` so that later ``unlearn``, ``audit``
 and ``test`` commands and a resumed ``fit`` log into the same W&B run. Offline runs live in
 ``RUN/wandb_files/wandb/offline-run-*``; ``wandb sync RUN/wandb_files/wandb/offline-run-*``
-uploads them (a resumed fit replaces its interrupted segments: :mod:`~.wandb_segments`).
+uploads them (a resumed fit replaces or rewinds its interrupted segments: :mod:`~.wandb_resume`).
 TensorBoard (``tensorboard: true``, extra ``[tb]``) writes into ``RUN/tensorboard/fit`` (and
 ``RUN/tensorboard/unlearn-N`` ...), hyper-parameters included: ``tensorboard --logdir RUN``.
 

@@ -2,14 +2,26 @@
 
 A resumed fit keeps the CSV rows of the stages its interrupted runs committed and trains the rest
 again. Its W&B run is opened only once the resume was accepted (a refused one opens nothing) and
-then in one of three ways:
+then in one of four ways:
 
 - the fit was complete and its W&B run was finished with its final row (``RUN/wandb.json``'s step
   is past it): nothing is trained, so nothing is logged to W&B (its history has every row already);
 - offline, no earlier fit segment uploaded: the earlier segments are superseded and the CSV's kept
   rows are replayed into the new segment (:func:`~.wandb_segments.supersede_fit_segments`);
-- otherwise (online, or an earlier segment synced already) the run is resumed and keeps the
-  interrupted stage's rows.
+- otherwise (online, or an earlier segment synced already) the run is *rewound* to the W&B step of
+  the last kept row: ``wandb.init(resume_from="ID?_step=N")``. W&B then truncates the history after
+  step ``N`` and logs the new rows from ``N + 1``. Online this happens at ``wandb.init``; offline the
+  segment's run record carries the branch point and ``wandb sync`` rewinds when it uploads it.
+  A W&B step is one ``log`` call, and every CSV row is one, so the ``N + 1`` kept rows are steps ``0..N``;
+- no stage was committed (nothing kept): W&B cannot rewind to before step 0, so the run is resumed
+  as before and keeps the interrupted stage's rows.
+
+Checked with wandb 0.31 without a server: the arguments given to ``wandb.init``, the branch point in
+the offline segment's run record and its rows' ``_step``, and (against a local stand-in server) that
+``wandb.init`` sends the ``RewindRun`` mutation with that step before anything else and then streams
+the rows from ``N + 1``. Not checked: the server's truncation itself (W&B calls rewind a beta
+feature), and a run whose W&B history lacks rows the CSV kept (an online fit killed by SIGKILL
+before W&B sent them): its step numbers then no longer match the CSV's rows.
 """
 
 from __future__ import annotations
@@ -26,7 +38,7 @@ from fedshard_lightning.wandb_segments import (
     wandb_state,
 )
 
-__all__ = ["committed_rows", "open_resumed_fit_run"]
+__all__ = ["committed_rows", "open_resumed_fit_run", "rewind_init_args"]
 
 
 def _offline(trainer: Any) -> bool:
@@ -40,6 +52,12 @@ def committed_rows(rows: list[dict[str, str]]) -> tuple[int, int]:
     return sum(1 for r in rows if r.get("step") not in ("", None) and int(float(r["step"])) < step), step
 
 
+def rewind_init_args(init: dict[str, Any], run_id: str, step: int) -> None:
+    """Make ``wandb.init``'s arguments rewind run ``run_id`` to ``_step == step`` (``resume`` excludes it)."""
+    init.pop("resume", None)
+    init["resume_from"] = f"{run_id}?_step={step}"
+
+
 def open_resumed_fit_run(trainer: Any, run_dir: Path, resumed: bool, finished: bool) -> bool:
     """Open the W&B run of a fit started with ``ckpt_path``; whether the CSV's kept rows must be replayed into it.
 
@@ -48,13 +66,15 @@ def open_resumed_fit_run(trainer: Any, run_dir: Path, resumed: bool, finished: b
     the fit's loggers when its run already holds every row.
     """
     logger, trainer.wandb_deferred = trainer.wandb_logger, False
-    _, next_step = committed_rows(trainer.csv_history)
+    kept, next_step = committed_rows(trainer.csv_history)
     state = wandb_state(run_dir)
     if resumed and finished and int(state.get("step", 0)) > next_step:  # its final row is there
         trainer.fabric._loggers = [lg for lg in trainer.fabric._loggers if lg is not logger]
         trainer.wandb_logger = None
         return False
     replay = resumed and _offline(trainer) and can_supersede(run_dir, [*state.get("fit_segments", [])])
+    if resumed and not replay and kept > 0:
+        rewind_init_args(logger._wandb_init, str(state["id"]), kept - 1)
     logger.log_hyperparams(run_hparams(trainer))  # opens the run
     record_fit_segment(run_dir, logger)
     return replay and supersede_fit_segments(run_dir, "offline")

@@ -12,7 +12,7 @@ of its earlier fits to ``RUN/wandb_files/superseded/`` and logs the CSV's kept r
 segment before its new rounds: the synced run then holds every round once, in order.
 
 Segments already uploaded (a ``.synced`` marker, or an online run) cannot be taken back: then
-the fit logs only its new rounds, as before.
+the resumed fit rewinds the W&B run to its last kept row instead (:mod:`~.wandb_resume`).
 """
 
 from __future__ import annotations

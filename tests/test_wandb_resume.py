@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import json
 
-from test_loggers import _objects, _rows, _synced_history
+import pytest
+from test_loggers import _KillAt, _objects, _rows, _synced_history
+
+from fedshard_lightning.callbacks import FederatedCallback
 
 
 def _csv_steps(run):
@@ -69,3 +72,69 @@ def test_a_complete_fit_resumed_again_logs_no_second_final_row(run_root):
     assert synced == _csv_steps(run)
     finals = [h for h in _synced_history(run) if any(k.startswith("final/") for k in h)]
     assert len(finals) == 1
+
+
+def test_a_fit_resumed_after_its_segment_was_synced_rewinds_to_the_last_kept_row(run_root):
+    """The killed fit's segment was uploaded (``.synced``): the resumed segment rewinds the run to the kept rows.
+
+    Its run record carries the branch point ``(id, _step, kept - 1)`` (``wandb sync`` rewinds the run
+    when it uploads it) and its rows start at ``_step == kept``; applied in order, the run's history
+    equals the CSV. It used to append the retrained stage's rounds after the uploaded ones (twice).
+    """
+    kill = type("Kill", (_KillAt, FederatedCallback), {})(3)
+    trainer, model, data = _objects(run_root, callbacks=[kill], wandb=True)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit(model, data)
+    run = trainer.run_dir
+    for path in (run / "wandb_files" / "wandb").glob("offline-run-*/run-*.wandb"):
+        path.with_name(path.name + ".synced").write_text("")  # as wandb sync leaves it
+    kept = _kept(run)
+    trainer, model, data = _objects(run_root, wandb=True)
+    trainer.fit(model, data, ckpt_path=str(run))
+
+    (first, _), (resumed, rows) = _segments(run)
+    run_id = json.loads((run / "wandb.json").read_text())["id"]
+    assert not first.branch_point.run
+    assert (resumed.branch_point.run, resumed.branch_point.metric) == (run_id, "_step")
+    assert resumed.branch_point.value == kept - 1
+    assert [h["_step"] for h in rows] == list(range(kept, kept + len(rows)))
+    history = _server_history(run)
+    assert [h["trainer/global_step"] for h in history] == _csv_steps(run)
+    assert [h["_step"] for h in history] == list(range(len(history)))
+    assert not (run / "wandb_files" / "superseded").exists(), "an uploaded segment cannot be taken back"
+
+
+def test_an_online_fit_resumed_passes_resume_from_to_wandb_init(run_root, monkeypatch):
+    """Online, the resumed fit asks ``wandb.init`` to rewind: ``resume_from="ID?_step=<kept - 1>"``, no ``resume``.
+
+    No server can be reached here: ``wandb.init`` is wrapped to record its arguments and then runs
+    offline with them (the branch point lands in the segment's run record, as online it goes to
+    the RewindRun request). The first fit and a fresh one keep ``resume="allow"``.
+    """
+    import wandb
+
+    calls = []
+    real_init = wandb.init
+
+    def recording_init(**kwargs):
+        calls.append(dict(kwargs))
+        return real_init(**kwargs, mode="offline")
+
+    monkeypatch.delenv("WANDB_MODE")
+    monkeypatch.setattr(wandb, "init", recording_init)
+    kill = type("Kill", (_KillAt, FederatedCallback), {})(3)
+    trainer, model, data = _objects(run_root, callbacks=[kill], wandb=True, wandb_mode="online")
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit(model, data)
+    run = trainer.run_dir
+    kept = _kept(run)
+    trainer, model, data = _objects(run_root, wandb=True, wandb_mode="online")
+    trainer.fit(model, data, ckpt_path=str(run))
+
+    run_id = json.loads((run / "wandb.json").read_text())["id"]
+    assert [c.get("id") for c in calls] == [run_id, run_id]
+    assert calls[0]["resume"] == "allow" and "resume_from" not in calls[0]
+    assert "resume" not in calls[1] and calls[1]["resume_from"] == f"{run_id}?_step={kept - 1}"
+    history = _server_history(run)
+    assert [h["trainer/global_step"] for h in history] == _csv_steps(run)
+    assert not (run / "wandb_files" / "superseded").exists()
