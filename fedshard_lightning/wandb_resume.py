@@ -6,9 +6,11 @@ then in one of four ways:
 
 - the fit was complete and its W&B run was finished with its final row (``RUN/wandb.json``'s step
   is past it): nothing is trained, so nothing is logged to W&B (its history has every row already);
-- offline, no earlier fit segment uploaded: the earlier segments are superseded and the CSV's kept
-  rows are replayed into the new segment (:func:`~.wandb_segments.supersede_fit_segments`);
-- otherwise (online, or an earlier segment synced already) the run is *rewound* to the W&B step of
+- no earlier fit segment uploaded (none, or offline ones not synced yet), online or offline: the
+  earlier segments are superseded and the CSV's kept rows are replayed into the new segment or
+  online run (:func:`~.wandb_segments.supersede_fit_segments`); the server has none of them, so
+  there is nothing to rewind (and ``RewindRun`` on a run the server lacks would fail);
+- otherwise (an earlier segment was online or synced already) the run is *rewound* to the W&B step of
   the last kept row: ``wandb.init(resume_from="ID?_step=N")``. W&B then truncates the history after
   step ``N`` and logs the new rows from ``N + 1``. Online this happens at ``wandb.init``; offline the
   segment's run record carries the branch point and ``wandb sync`` rewinds when it uploads it.
@@ -26,7 +28,6 @@ before W&B sent them): its step numbers then no longer match the CSV's rows.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -39,11 +40,6 @@ from fedshard_lightning.wandb_segments import (
 )
 
 __all__ = ["committed_rows", "open_resumed_fit_run", "rewind_init_args"]
-
-
-def _offline(trainer: Any) -> bool:
-    """Whether W&B writes offline segments (``WANDB_MODE`` wins over the setting, as in ``wandb.init``)."""
-    return trainer.wandb_mode == "offline" or os.environ.get("WANDB_MODE") in ("offline", "dryrun")
 
 
 def committed_rows(rows: list[dict[str, str]]) -> tuple[int, int]:
@@ -72,9 +68,12 @@ def open_resumed_fit_run(trainer: Any, run_dir: Path, resumed: bool, finished: b
         trainer.fabric._loggers = [lg for lg in trainer.fabric._loggers if lg is not logger]
         trainer.wandb_logger = None
         return False
-    replay = resumed and _offline(trainer) and can_supersede(run_dir, [*state.get("fit_segments", [])])
+    # No earlier fit segment uploaded (none, or offline ones not synced): the server has none of
+    # its rows, so nothing can be rewound; the kept rows are replayed (online too) instead.
+    replay = resumed and can_supersede(run_dir, [*state.get("fit_segments", [])])
     if resumed and not replay and kept > 0:
         rewind_init_args(logger._wandb_init, str(state["id"]), kept - 1)
     logger.log_hyperparams(run_hparams(trainer))  # opens the run
     record_fit_segment(run_dir, logger)
+    # The earlier segments are offline whatever this fit's mode: they leave the sync glob.
     return replay and supersede_fit_segments(run_dir, "offline")

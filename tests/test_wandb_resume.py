@@ -58,6 +58,22 @@ def _server_history(run):
     return history
 
 
+def _record_wandb_init(monkeypatch):
+    """``wandb.init`` in online mode, recorded, then run offline with the same arguments (no server here)."""
+    import wandb
+
+    calls = []
+    real_init = wandb.init
+
+    def recording_init(**kwargs):
+        calls.append(dict(kwargs))
+        return real_init(**kwargs, mode="offline")
+
+    monkeypatch.delenv("WANDB_MODE")
+    monkeypatch.setattr(wandb, "init", recording_init)
+    return calls
+
+
 def test_a_complete_fit_resumed_again_logs_no_second_final_row(run_root):
     """``fit --ckpt_path`` on a complete run trains nothing: its W&B run already holds every row once.
 
@@ -109,24 +125,17 @@ def test_an_online_fit_resumed_passes_resume_from_to_wandb_init(run_root, monkey
 
     No server can be reached here: ``wandb.init`` is wrapped to record its arguments and then runs
     offline with them (the branch point lands in the segment's run record, as online it goes to
-    the RewindRun request). The first fit and a fresh one keep ``resume="allow"``.
+    the RewindRun request); the killed fit's segment is marked uploaded, as an online run's rows
+    are. The first fit keeps ``resume="allow"``.
     """
-    import wandb
-
-    calls = []
-    real_init = wandb.init
-
-    def recording_init(**kwargs):
-        calls.append(dict(kwargs))
-        return real_init(**kwargs, mode="offline")
-
-    monkeypatch.delenv("WANDB_MODE")
-    monkeypatch.setattr(wandb, "init", recording_init)
+    calls = _record_wandb_init(monkeypatch)
     kill = type("Kill", (_KillAt, FederatedCallback), {})(3)
     trainer, model, data = _objects(run_root, callbacks=[kill], wandb=True, wandb_mode="online")
     with pytest.raises(KeyboardInterrupt):
         trainer.fit(model, data)
     run = trainer.run_dir
+    for path in (run / "wandb_files" / "wandb").glob("offline-run-*/run-*.wandb"):
+        path.with_name(path.name + ".synced").write_text("")
     kept = _kept(run)
     trainer, model, data = _objects(run_root, wandb=True, wandb_mode="online")
     trainer.fit(model, data, ckpt_path=str(run))
@@ -138,3 +147,24 @@ def test_an_online_fit_resumed_passes_resume_from_to_wandb_init(run_root, monkey
     history = _server_history(run)
     assert [h["trainer/global_step"] for h in history] == _csv_steps(run)
     assert not (run / "wandb_files" / "superseded").exists()
+
+
+def test_an_offline_fit_resumed_online_replays_the_kept_rows_instead_of_rewinding(run_root, monkeypatch):
+    """The killed fit's offline segment was never synced: the server lacks the run, so it cannot be rewound.
+
+    The resumed online fit supersedes that segment and logs the CSV's kept rows before its new
+    ones (``resume="allow"``, no ``resume_from``: a RewindRun on a run the server lacks would fail).
+    """
+    kill = type("Kill", (_KillAt, FederatedCallback), {})(3)
+    trainer, model, data = _objects(run_root, callbacks=[kill], wandb=True)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit(model, data)
+    run = trainer.run_dir
+    calls = _record_wandb_init(monkeypatch)
+    trainer, model, data = _objects(run_root, wandb=True, wandb_mode="online")
+    trainer.fit(model, data, ckpt_path=str(run))
+
+    assert len(calls) == 1 and calls[0]["resume"] == "allow" and "resume_from" not in calls[0]
+    assert len(list((run / "wandb_files" / "superseded").iterdir())) == 1
+    history = _server_history(run)
+    assert [h["trainer/global_step"] for h in history] == _csv_steps(run)
