@@ -13,6 +13,7 @@ __all__ = [
     "DataError",
     "FedShardError",
     "NonFiniteLossError",
+    "PeerStopped",
     "Terminated",
     "UnlearningRequestError",
 ]
@@ -48,3 +49,7 @@ class NonFiniteLossError(FedShardError, FloatingPointError):
 
 class Terminated(KeyboardInterrupt):
     """SIGTERM (``scancel``, ``docker stop``, ``kill``): stops a run as Ctrl-C does, so it says how to resume."""
+
+
+class PeerStopped(KeyboardInterrupt):
+    """Another process of a DDP run stopped (killed, or failed): the launcher stops as Ctrl-C does, exit 8."""

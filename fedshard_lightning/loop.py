@@ -31,6 +31,7 @@ from fedshard_lightning.engine.allocator import configure_process
 from fedshard_lightning.errors import CacheError, ConfigError
 from fedshard_lightning.loggers import finish_loggers, restore_csv_history
 from fedshard_lightning.no_config import one_line as _one_line
+from fedshard_lightning.peer_watch import launch_watched
 from fedshard_lightning.requests import validate_exclude
 from fedshard_lightning.run_dir import Journal, model_is_stale, recover_reports
 from fedshard_lightning.unlearning.context import AlgorithmContext, LoopEvents
@@ -286,7 +287,7 @@ def launch_fabric(
             f"trainer.strategy={strategy!r}, trainer.precision={precision!r}: {e}"
         ) from None
     try:
-        fabric.launch()
+        launch_watched(fabric)  # fabric.launch(), a stopped worker stopping this process cleanly
     except TypeError as e:  # ddp_spawn/ddp_fork/ddp_notebook start a function, not the command again
         raise ConfigError(
             f"trainer.strategy={strategy!r}: the trainer's commands run in processes that re-run the "

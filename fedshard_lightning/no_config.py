@@ -14,8 +14,9 @@ import re
 import sys
 from collections.abc import Iterator
 
-from fedshard_lightning.errors import FedShardError, Terminated
+from fedshard_lightning.errors import FedShardError, PeerStopped, Terminated
 from fedshard_lightning.os_faults import describe, ignore_sigxfsz, terminate_as_interrupt
+from fedshard_lightning.peer_watch import stopped_peer
 
 __all__ = ["NO_CONFIG", "PEER_STOPPED", "no_config_main", "one_line", "one_line_errors", "run_no_config"]
 
@@ -35,12 +36,14 @@ def one_line(message: str, limit: int = 600) -> str:
 
 @contextlib.contextmanager
 def one_line_errors() -> Iterator[None]:
-    """User errors exit 2, Ctrl-C 130, SIGTERM 143, OS faults 3..7: each as one line on stderr."""
+    """User errors exit 2, Ctrl-C 130, SIGTERM 143, a stopped DDP peer 8, OS faults 3..7: one line on stderr."""
     try:
         yield
     except FedShardError as e:
         _say(f"error: {one_line(str(e))}")
         raise SystemExit(2) from None
+    except PeerStopped as e:  # the launcher's watcher saw a worker stop while this process trained
+        _peer_stopped(stopped_peer() or "a worker", e)
     except KeyboardInterrupt as e:
         terminated = isinstance(e, Terminated)
         _say("terminated (SIGTERM)" if terminated else "interrupted")
@@ -53,12 +56,21 @@ def one_line_errors() -> Iterator[None]:
         lost = _peer_lost(e)
         if lost is None:
             raise
-        _say(
-            f"error: another process of this DDP run stopped ({lost}); its own line, if it wrote one, "
-            "is above; run the command again once its cause is gone (an interrupted fit resumes with "
-            "--ckpt_path RUN_DIR)"
-        )
-        raise SystemExit(PEER_STOPPED) from None
+        # The launcher names the stopped rank; a worker (no watcher) names the socket.
+        _peer_stopped(stopped_peer(wait_s=1.0) or lost, e)
+
+
+def _peer_stopped(which: str, e: BaseException) -> None:
+    """The one line for a run whose other process stopped, and exit status 8."""
+    removed = getattr(e, "removed_run_dir", None)  # set by fit when the run held nothing to keep
+    again = "(an interrupted fit resumes with --ckpt_path RUN_DIR)"
+    if removed:
+        again = f"(nothing was committed, so {removed} was removed: run the fit again)"
+    _say(
+        f"error: another process of this DDP run stopped ({which}); its own line, if it wrote one, "
+        f"is above; run the command again once its cause is gone {again}"
+    )
+    raise SystemExit(PEER_STOPPED) from None
 
 
 def _say(line: str) -> None:

@@ -12,6 +12,7 @@ it never sees the trainer.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import sys
 from pathlib import Path
@@ -299,7 +300,7 @@ class FederatedTrainer:
             # A run that failed before its first cache commit holds nothing worth keeping.
             if not resume and self.is_global_zero and not (run_dir / "cache" / "CURRENT").exists():
                 shutil.rmtree(run_dir, ignore_errors=True)
-                if isinstance(e, OSError):  # its one line must not suggest resuming a removed folder
+                with contextlib.suppress(AttributeError):  # its line must not suggest resuming it
                     e.removed_run_dir = str(run_dir)
             elif self.is_global_zero and not isinstance(e, (FedShardError, OSError)):  # OSError: one line
                 sys.stderr.write(f"{resume_hint(run_dir, self.config_yaml is not None)}\n")
