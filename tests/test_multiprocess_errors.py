@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from fedshard_lightning.errors import ConfigError
+from fedshard_lightning.errors import ConfigError, Terminated
 from fedshard_lightning.no_config import PEER_STOPPED, one_line_errors
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,13 +52,33 @@ def test_a_lost_peer_is_one_line_only_inside_a_process_group(tmp_path, monkeypat
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=30))
     try:
-        assert _exit(RuntimeError(LOST)) == PEER_STOPPED == 8
         with pytest.raises(RuntimeError, match="unrelated"), one_line_errors():
             raise RuntimeError("unrelated")
+        assert _exit(RuntimeError(LOST)) == PEER_STOPPED == 8
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: another process of this DDP run stopped")
+
+
+@pytest.mark.parametrize(
+    "error", [RuntimeError(LOST), Terminated("signal 15"), KeyboardInterrupt(), ConfigError("clients: bad")]
+)
+def test_an_exit_on_an_error_destroys_the_gloo_group_first(tmp_path, monkeypatch, error):
+    # A process that exited with the group alive sometimes aborted in torch's teardown of gloo's
+    # threads: "terminate called without an active exception" after the line, status 134 (-6) on
+    # the peer's side in 2 of 20 two-process SIGTERM trials; 0 of 20 once the group is destroyed.
+    # Reference: torch's own state, dist.is_initialized().
+    monkeypatch.setenv("LOCAL_RANK", "1")  # quiet: only the teardown is under test
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=30))
+    try:
+        _exit(error)
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
