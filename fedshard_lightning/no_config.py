@@ -17,7 +17,7 @@ from typing import NoReturn
 
 from fedshard_lightning.errors import FedShardError, PeerStopped, Terminated
 from fedshard_lightning.os_faults import describe, ignore_sigxfsz, terminate_as_interrupt
-from fedshard_lightning.peer_watch import stopped_peer
+from fedshard_lightning.peer_watch import stand_down, stopped_peer
 
 __all__ = ["NO_CONFIG", "PEER_STOPPED", "no_config_main", "one_line", "one_line_errors", "run_no_config"]
 
@@ -39,7 +39,10 @@ def one_line(message: str, limit: int = 600) -> str:
 def one_line_errors() -> Iterator[None]:
     """User errors exit 2, Ctrl-C 130, SIGTERM 143, a stopped DDP peer 8, OS faults 3..7: one line on stderr."""
     try:
-        yield
+        try:
+            yield
+        finally:
+            stand_down()  # the command is over (done, or failing with its own line): no peer to stop it
     except FedShardError as e:
         _say(f"error: {one_line(str(e))}")
         _exit(2)

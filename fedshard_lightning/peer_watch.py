@@ -29,22 +29,36 @@ from typing import Any
 
 from fedshard_lightning.errors import PeerStopped
 
-__all__ = ["PeerWatcher", "describe_exit", "launch_watched", "stopped_peer"]
+__all__ = ["PeerWatcher", "describe_exit", "launch_watched", "stand_down", "stopped_peer"]
 
-_stopped: str | None = None  # the first stopped worker, as "rank 1, pid 123, killed by SIGKILL"
-_watching = False  # a PeerWatcher runs in this process (the launcher of a DDP run)
+_procs: list[subprocess.Popen] = []  # the workers this process launched, procs[i] being rank i + 1
+_done = threading.Event()  # the command is over: nothing left to stop
+
+
+def stand_down() -> None:
+    """End the watch: the command has finished or is exiting on its own error.
+
+    Its atexit work (loggers, W&B) must not be cut by :class:`PeerStopped` when a worker fails
+    late, e.g. in its own teardown.
+    """
+    _done.set()
 
 
 def stopped_peer(wait_s: float = 0.0) -> str | None:
-    """The worker of this launcher that stopped, or None; waits up to ``wait_s`` for the watcher to see it.
+    """The first worker of this launcher that failed, as ``rank 1, pid 123, killed by SIGKILL``, or None.
 
-    gloo reports a lost peer as soon as its socket closes, before the watcher's next poll; a short
-    wait lets the one-line error name the rank instead of the socket.
+    Waits up to ``wait_s`` for one: gloo reports a lost peer as soon as its socket closes, a moment
+    before the worker's exit can be collected; the wait lets the line name the rank, not the socket.
     """
     deadline = time.monotonic() + wait_s
-    while _watching and _stopped is None and time.monotonic() < deadline:
+    while True:
+        for rank, proc in enumerate(_procs, start=1):
+            code = proc.poll()
+            if code:
+                return describe_exit(rank, proc.pid, code)
+        if not _procs or time.monotonic() >= deadline:
+            return None
         time.sleep(0.05)
-    return _stopped
 
 
 def describe_exit(rank: int, pid: int, code: int) -> str:
@@ -98,18 +112,15 @@ class PeerWatcher(threading.Thread):
         self.main_id = threading.main_thread().ident or 0
 
     def start(self) -> None:
-        """Start watching; from now on a lost peer's line waits briefly for the rank's name."""
-        global _watching
-        _watching = True
+        """Start watching; from now on :func:`stopped_peer` names a failed worker."""
+        _procs.extend(self.procs)
         super().start()
 
     def run(self) -> None:
         """Wait for a failed worker, give the launcher ``grace_s``, then stop it (or, stuck, kill it)."""
-        global _stopped
         failed = self._wait_for_a_failure()
         if failed is None:
             return
-        _stopped = failed
         time.sleep(self.grace_s)
         if sys.implementation.name != "cpython":  # no way to raise in the main thread: as Fabric did
             self._kill_all(failed)
@@ -117,6 +128,8 @@ class PeerWatcher(threading.Thread):
             if sys.is_finalizing():
                 return
             time.sleep(self.poll_s)
+        if _done.is_set():
+            return
         stuck_at = self._main_position()
         deadline = time.monotonic() + self.kill_after_s
         while time.monotonic() < deadline:
@@ -131,6 +144,8 @@ class PeerWatcher(threading.Thread):
         A main thread handling one is already stopping: raising into its except or finally block
         would cut its cleanup short (the run folder's removal, the resume line).
         """
+        if _done.is_set():
+            return True
         if _handling(sys._current_exceptions().get(self.main_id)):
             return False
         return _raise_in(self.main_id, PeerStopped)
@@ -142,14 +157,14 @@ class PeerWatcher(threading.Thread):
 
     def _wait_for_a_failure(self) -> str | None:
         """The first failed worker, described; None once every worker has exited with status 0."""
-        while True:
+        while not _done.is_set():
             time.sleep(self.poll_s)
-            codes = [p.poll() for p in self.procs]
-            for rank, (proc, code) in enumerate(zip(self.procs, codes), start=1):
-                if code:
-                    return describe_exit(rank, proc.pid, code)
-            if all(code == 0 for code in codes):
+            failed = stopped_peer()
+            if failed is not None:
+                return failed
+            if all(proc.returncode == 0 for proc in self.procs):
                 return None
+        return None
 
     def _kill_all(self, failed: str) -> None:
         """Fabric's last resort, after the line the launcher could not write itself."""

@@ -12,11 +12,12 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
-from fedshard_lightning import peer_watch
+from fedshard_lightning import no_config, peer_watch
 from fedshard_lightning.errors import PeerStopped
 from fedshard_lightning.no_config import PEER_STOPPED, one_line_errors
 from fedshard_lightning.peer_watch import PeerWatcher, describe_exit, launch_watched, stopped_peer
@@ -24,8 +25,8 @@ from fedshard_lightning.peer_watch import PeerWatcher, describe_exit, launch_wat
 
 @pytest.fixture(autouse=True)
 def _fresh_state(monkeypatch):
-    monkeypatch.setattr(peer_watch, "_stopped", None)
-    monkeypatch.setattr(peer_watch, "_watching", False)
+    monkeypatch.setattr(peer_watch, "_procs", [])
+    monkeypatch.setattr(peer_watch, "_done", threading.Event())
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
 
@@ -96,7 +97,7 @@ def test_a_launcher_stuck_in_one_call_is_killed_after_its_line(monkeypatch, caps
 
 
 def test_the_line_names_the_rank_and_exit_status_8(monkeypatch, capsys):
-    monkeypatch.setattr(peer_watch, "_stopped", "rank 1, pid 42, killed by SIGKILL")
+    monkeypatch.setattr(no_config, "stopped_peer", lambda wait_s=0.0: "rank 1, pid 42, killed by SIGKILL")
     with pytest.raises(SystemExit) as e, one_line_errors():
         raise PeerStopped()
     assert e.value.code == PEER_STOPPED == 8
@@ -112,6 +113,20 @@ def test_the_line_names_the_rank_and_exit_status_8(monkeypatch, capsys):
         raise stopped
     err = capsys.readouterr().err
     assert "nothing was committed, so /runs/version_3 was removed" in err and "--ckpt_path" not in err
+
+
+def test_a_command_that_is_over_is_not_stopped():
+    # Its atexit work (loggers, W&B) runs after the command; a worker failing then (its own
+    # teardown) must not cut it with PeerStopped.
+    worker = _worker()
+    watcher = PeerWatcher([worker], poll_s=0.05, grace_s=0.05)
+    watcher.start()
+    with pytest.raises(SystemExit), one_line_errors():
+        raise SystemExit(0)  # the command returned
+    worker.kill()
+    _train(1.0)  # no PeerStopped
+    watcher.join(timeout=5.0)
+    assert not watcher.is_alive()
 
 
 def test_describe_exit():
