@@ -17,17 +17,18 @@ No Lightning or torch import at module level: :mod:`fedshard_lightning.no_config
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fedshard_lightning.errors import PeerStopped
+
+if TYPE_CHECKING:  # `runs` imports this module (via no_config): it starts in milliseconds
+    import subprocess
 
 __all__ = ["PeerWatcher", "describe_exit", "launch_watched", "stand_down", "stopped_peer"]
 
@@ -75,6 +76,8 @@ def describe_exit(rank: int, pid: int, code: int) -> str:
 
 def _raise_in(thread_id: int, exc: type[BaseException]) -> bool:
     """Raise ``exc`` in another thread of this process at its next bytecode (CPython)."""
+    import ctypes
+
     set_async = ctypes.pythonapi.PyThreadState_SetAsyncExc
     set_async.argtypes = [ctypes.c_ulong, ctypes.py_object]
     set_async.restype = ctypes.c_int
