@@ -2,7 +2,7 @@
 
 ATen runs an element-wise operator over a contiguous tensor in vector blocks of ``2 * Vec::size()``
 elements and its last few elements in a scalar loop, and for ``sigmoid``, ``silu``, ``elu``,
-``gelu``, ``mish`` and ``softplus`` (forward or backward; which ones depends on the dtype and the
+``selu``, ``celu``, ``gelu``, ``mish`` and ``softplus`` (forward or backward; which ones depends on the dtype and the
 values) the two loops round differently. Where the split falls depends only on the element count
 (and, beyond ATen's grain of 32768 elements, the thread count), not on memory alignment. Over the
 merged ``[clients * batch, ...]`` tensor of a stacked call, which of a client's elements fall in
@@ -30,8 +30,19 @@ __all__ = ["ClientChunks", "PerClient", "per_client_op"]
 # Operators of the fx rewrite's per-sample lists that rounded differently in the vector body and
 # the scalar tail on an AVX512 CPU (torch 2.13, float32 or float64); relu, relu6, leaky_relu,
 # hardtanh, tanh, exp and the arithmetic operators never did and keep one call over all clients.
-_MODULES: tuple[type[nn.Module], ...] = (nn.Sigmoid, nn.SiLU, nn.ELU, nn.GELU, nn.Softplus, nn.Mish)
-_FUNCTIONS: frozenset[Any] = frozenset({torch.sigmoid, F.sigmoid, F.silu, F.elu, F.gelu, F.softplus, F.mish})
+_MODULES: tuple[type[nn.Module], ...] = (
+    nn.Sigmoid,
+    nn.SiLU,
+    nn.ELU,
+    nn.SELU,
+    nn.CELU,
+    nn.GELU,
+    nn.Softplus,
+    nn.Mish,
+)
+_FUNCTIONS: frozenset[Any] = frozenset(
+    {torch.sigmoid, F.sigmoid, F.silu, F.elu, F.selu, F.celu, F.gelu, F.softplus, F.mish}
+)
 _METHODS: dict[str, Callable[..., Tensor]] = {"sigmoid": torch.sigmoid}
 
 

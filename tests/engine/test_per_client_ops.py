@@ -26,6 +26,8 @@ ACTIVATIONS = {
     "sigmoid": (nn.Sigmoid, torch.sigmoid),
     "silu": (nn.SiLU, F.silu),
     "gelu_tanh": (lambda: nn.GELU(approximate="tanh"), lambda h: F.gelu(h, approximate="tanh")),
+    "selu": (nn.SELU, F.selu),
+    "celu": (nn.CELU, F.celu),
 }
 
 
@@ -92,7 +94,17 @@ def test_stacked_client_equals_the_client_trained_alone_from_scratch(act, hidden
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize(
     "fn",
-    [nn.Sigmoid(), nn.SiLU(), nn.ELU(), nn.GELU(), nn.GELU(approximate="tanh"), nn.Softplus(), nn.Mish()],
+    [
+        nn.Sigmoid(),
+        nn.SiLU(),
+        nn.ELU(),
+        nn.SELU(),
+        nn.CELU(),
+        nn.GELU(),
+        nn.GELU(approximate="tanh"),
+        nn.Softplus(),
+        nn.Mish(),
+    ],
     ids=lambda f: repr(f),
 )
 def test_per_client_forward_and_backward_are_each_clients_own(fn, dtype):
