@@ -317,27 +317,33 @@ def test_audit_and_test_log_their_result_after_the_run_s_last_step(run_root):
     assert any(h.get("test/test_accuracy") == pytest.approx(metrics["test_accuracy"]) for h in history)
 
 
-def _synced_history(run_dir):
-    """History rows as ``wandb sync`` (0.31) would upload them: the segments under ``wandb/offline-run-*``
-    in the order they started, each appended after the last (W&B renumbers a resumed segment's ``_step``).
+def _segments(run_dir):
+    """(run record or None, history rows) of every offline segment, in the order they started.
 
     Read from W&B's own offline files, not from the package.
     """
     from callbacks.test_replay import _wandb_records
 
-    segments = []
+    out = []
     for path in (run_dir / "wandb_files" / "wandb").glob("offline-run-*/run-*.wandb"):
-        start, rows = None, []
+        record_run, rows = None, []
         for record in _wandb_records(path):
             kind = record.WhichOneof("record_type")
-            if kind == "run" and start is None:
-                start = record.run.start_time.ToMicroseconds()
+            if kind == "run" and record_run is None:
+                record_run = record.run
             elif kind == "history":
                 rows.append(
                     {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
                 )
-        segments.append((start or 0, rows))
-    return [row for _, rows in sorted(segments, key=lambda s: s[0]) for row in rows]
+        out.append((record_run, rows))
+    return sorted(out, key=lambda s: s[0].start_time.ToMicroseconds() if s[0] is not None else 0)
+
+
+def _synced_history(run_dir):
+    """History rows as ``wandb sync`` (0.31) would upload them: the segments under ``wandb/offline-run-*``
+    in the order they started, each appended after the last (W&B renumbers a resumed segment's ``_step``).
+    """
+    return [row for _, rows in _segments(run_dir) for row in rows]
 
 
 @pytest.mark.parametrize("killed_by", ["interrupt", "sigkill"])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_loggers import _KillAt, _objects, _rows, _synced_history
+from test_loggers import _KillAt, _objects, _rows, _segments, _synced_history
 
 from fedshard_lightning.callbacks import FederatedCallback
 
@@ -25,25 +25,6 @@ def _kept(run):
     rows = _rows(run / "logs" / "metrics.csv")
     last = max(i for i, r in enumerate(rows) if any(v for k, v in r.items() if k.startswith("stage/")))
     return last + 1
-
-
-def _segments(run):
-    """(run record, history rows) of every offline segment, in the order they started."""
-    from callbacks.test_replay import _wandb_records
-
-    out = []
-    for path in (run / "wandb_files" / "wandb").glob("offline-run-*/run-*.wandb"):
-        record_run, rows = None, []
-        for record in _wandb_records(path):
-            kind = record.WhichOneof("record_type")
-            if kind == "run" and record_run is None:
-                record_run = record.run
-            elif kind == "history":
-                rows.append(
-                    {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
-                )
-        out.append((record_run, rows))
-    return sorted(out, key=lambda s: s[0].start_time.ToMicroseconds())
 
 
 def _server_history(run):
