@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "data"))
-from native_formats import cifar_tar_bytes  # noqa: E402
+from native_formats import cifar_tar_bytes
 
 
 def main() -> None:
