@@ -23,6 +23,7 @@ import torch
 from fedshard_lightning.cache import atomic_write_json
 from fedshard_lightning.cache_io import read_json_object
 from fedshard_lightning.engine.allocator import configure_process, tf32_flags
+from fedshard_lightning.engine.blas import blas_mode
 
 __all__ = ["FILE", "current", "keep_caller_state", "oversubscription_warning", "record", "reproduce"]
 
@@ -64,6 +65,7 @@ def current(trainer: Any) -> dict[str, Any]:
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
+        "blas_mode": blas_mode(),  # MKL's CNR mode: its default dispatch is not batch-invariant
         "dtype": str(next(trainer.module.parameters()).dtype),
         "engine_mode": eng.mode,
         "batch_invariant": eng.batch_invariant,
@@ -130,6 +132,7 @@ def reproduce(run_dir: Path, trainer: Any) -> list[str]:
         "device",
         "device_name",
         "torch",
+        "blas_mode",
         "dtype",
         "batch_invariant",
         "compile",

@@ -233,3 +233,19 @@ def test_audit_of_a_run_without_a_values_digest_names_the_samples_as_a_cause(tmp
         "training samples changed (the run's fingerprint covers the data's labels and partition, not the sample "
         in out
     )
+
+
+def test_fit_records_the_blas_mode_and_another_mode_is_named(tmp_path, capsys):
+    from fedshard_lightning.engine.blas import blas_mode
+
+    tr = _trainer(tmp_path, num_threads=1)
+    tr.fit(*_fresh())
+    path = tr.run_dir / "numerics.json"
+    env = json.loads(path.read_text())
+    assert env["blas_mode"] == blas_mode() == ("AUTO" if torch.backends.mkl.is_available() else "none")
+    env["blas_mode"] = "OFF"  # as if fit had run under MKL's default dispatch
+    path.write_text(json.dumps(env))
+    capsys.readouterr()
+    _trainer(tmp_path, num_threads=1).audit(*_fresh(), str(tr.run_dir))
+    out = capsys.readouterr().out
+    assert f"numerics: blas_mode: fit ran with 'OFF', this process has '{blas_mode()}'" in out, out

@@ -1,4 +1,13 @@
-"""Vectorized FedAvg engine: stacked clients, keyed randomness, per-client loop reference."""
+"""Vectorized FedAvg engine: stacked clients, keyed randomness, per-client loop reference.
+
+Importing it puts MKL in its reproducible mode (:mod:`.blas`): stacked results depend on it.
+"""
+
+from fedshard_lightning.engine.blas import reproducible_blas
+
+reproducible_blas()
+
+# ruff: noqa: E402  (the mode is set before the kernels are imported)
 
 from fedshard_lightning.engine.engine import (
     FederatedEngine,

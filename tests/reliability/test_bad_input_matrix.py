@@ -128,6 +128,17 @@ def _truncate(pick: Callable[[Path], Path], keep: float = 0.5) -> Callable[[Path
     return damage
 
 
+def _truncate_inside(pick: Callable[[Path], Path], marker: bytes) -> Callable[[Path, Path], None]:
+    """Cut the file just after ``marker``'s first occurrence, wherever the file's paths put it."""
+
+    def damage(run: Path, _: Path) -> None:
+        path = pick(run)
+        data = path.read_bytes()
+        path.write_bytes(data[: data.index(marker) + len(marker)])
+
+    return damage
+
+
 def _remove(pick: Callable[[Path], Path]) -> Callable[[Path, Path], None]:
     def damage(run: Path, _: Path) -> None:
         path = pick(run)
@@ -395,7 +406,9 @@ CASES: dict[str, Case] = {
     "truncate_config_yaml": Case(
         lambda r, c: ["unlearn", "--ckpt_path", str(r), "--clients", "[1]"],
         "config",
-        _truncate(lambda r: r / "config.yaml", keep=0.37),
+        # inside a quoted value: a YAML error, not another field's (a fraction of the length moved
+        # with the temporary path's length, into "precision: 32-tru")
+        _truncate_inside(lambda r: r / "config.yaml", b"local_bn: 'o"),
     ),
     "empty_current": Case(U, "CURRENT", _truncate(lambda r: r / "cache" / "CURRENT", keep=0)),
     # -- missing files
