@@ -42,7 +42,7 @@ _NAMES = {
     14: "AVX512_E1",
     15: "AVX512_E2",
 }
-_lib: ctypes.CDLL | None | bool = False  # False: not looked up yet; None: no MKL in this torch
+_lib: ctypes.CDLL | bool | None = False  # False: not looked up yet; None: no MKL in this torch
 
 
 def _mkl() -> ctypes.CDLL | None:
