@@ -33,6 +33,7 @@ class TiedAutoencoderHead(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.5)
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("vectorize", ["always", "never"])
 def test_tied_weights_are_written_read_and_unlearned_bit_exact(tmp_path, vectorize):
     def fresh():

@@ -31,6 +31,7 @@ def _fresh(**kw):
     return AttributeLR(**kw), tiny_data()
 
 
+@pytest.mark.exactness
 def test_fit_records_the_optimizer_and_unlearn_refuses_another(tmp_path):
     tr = tiny_trainer(tmp_path, vectorize="always")
     tr.fit(*_fresh(gamma=0.5))
@@ -58,6 +59,7 @@ def test_fit_records_the_optimizer_and_unlearn_refuses_another(tmp_path):
     assert res["max_abs_diff"] == 0.0
 
 
+@pytest.mark.exactness
 def test_a_run_without_the_record_is_still_accepted(tmp_path):
     """Runs fitted before the optimizer was recorded keep working (the fingerprint hash is unchanged)."""
     tr = tiny_trainer(tmp_path, vectorize="always")
@@ -70,6 +72,7 @@ def test_a_run_without_the_record_is_still_accepted(tmp_path):
     assert report["client_steps"] > 0
 
 
+@pytest.mark.exactness
 def test_unlearn_with_another_setting_names_it(tmp_path):
     """Not only two hashes: the setting that differs from the run's, as a resume names it."""
     tr = tiny_trainer(tmp_path, vectorize="always")
@@ -83,6 +86,7 @@ def test_unlearn_with_another_setting_names_it(tmp_path):
         tiny_trainer(tmp_path, vectorize="always").unlearn(AttributeLR(), other, str(tr.run_dir), [3])
 
 
+@pytest.mark.exactness
 def test_the_readable_body_hashes_to_the_fingerprint_runs_were_made_with(tmp_path):
     """The body is computed once per run and hashed without its readable extras: old runs still load."""
     import hashlib

@@ -186,6 +186,7 @@ def _stacked_minus_loop_float64(cls: type) -> float:
     return max(float((out["always"][k] - out["never"][k]).abs().max()) for k in out["always"])
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("vectorize", ["always", "never"])
 def test_model_built_in_setup_trains_and_unlearns_exactly(tmp_path, vectorize):
     _fit_unlearn_audit(tmp_path, LazySetup, vectorize)
@@ -193,6 +194,7 @@ def test_model_built_in_setup_trains_and_unlearns_exactly(tmp_path, vectorize):
         assert _stacked_minus_loop_float64(LazySetup) <= 1e-10
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("vectorize", ["always", "never"])
 def test_training_step_without_batch_idx_trains_and_unlearns_exactly(tmp_path, vectorize):
     _fit_unlearn_audit(tmp_path, NoBatchIdx, vectorize)

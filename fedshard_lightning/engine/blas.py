@@ -22,7 +22,7 @@ import ctypes
 import glob
 import os
 
-__all__ = ["blas_mode", "reproducible_blas"]
+__all__ = ["blas_mode", "reproducible_blas", "set_blas_mode"]
 
 # mkl_service.h: MKL_CBWR_BRANCH asks for the code branch; the values name it; STRICT is a flag.
 _BRANCH = 1
@@ -86,3 +86,19 @@ def blas_mode() -> str:
     branch = lib.mkl_serv_cbwr_get(-1)  # MKL_CBWR_ALL: the branch with the STRICT flag
     name = _NAMES.get(branch & ~_STRICT, f"mode {branch & ~_STRICT}")
     return name + (",STRICT" if branch & _STRICT else "")
+
+
+def set_blas_mode(name: str) -> str:
+    """Switch MKL's branch in this process (``AUTO``, ``OFF``...): for measuring what the mode costs.
+
+    Raises:
+        ValueError: an unknown name, or no MKL in this torch.
+    """
+    codes = {v: k for k, v in _NAMES.items()}
+    lib = _mkl()
+    if lib is None or name not in codes:
+        raise ValueError(
+            f"cannot set MKL's mode to {name!r} (known: {', '.join(codes)}; MKL: {lib is not None})"
+        )
+    lib.mkl_serv_cbwr_set(codes[name])
+    return blas_mode()

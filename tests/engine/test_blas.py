@@ -58,6 +58,7 @@ def _count(threads: str, env: dict[str, str]) -> dict:
 needs_mkl = pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="this torch has no MKL")
 
 
+@pytest.mark.exactness
 @needs_mkl
 def test_engine_import_makes_batched_products_neighbour_invariant():
     got = _count("1,2", {})

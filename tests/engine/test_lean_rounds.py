@@ -70,6 +70,7 @@ def _same(a, b):
     batch=st.integers(2, 9),
     one_pass=st.booleans(),
 )
+@pytest.mark.exactness
 def test_lean_rounds_equal_the_general_path(split, rounds, dtype, seed, batch, one_pass):
     """Groups of unequal sizes and rounds (segments), clients with unequal steps, empty groups.
 

@@ -61,6 +61,7 @@ def _alone(start, c, gidx, gsz, steps, dm, act, lr=0.1):
     return p
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(("hidden", "batch"), [(15, 5), (13, 7)])  # 75 and 91 elements per client
 @pytest.mark.parametrize("act", list(ACTIVATIONS))
@@ -134,6 +135,7 @@ def _digits() -> DigitsDataModule:
     return DigitsDataModule(num_clients=8, partition="dirichlet", rho=0.5, min_client_size=10, seed=0)
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("vectorize", ["always", "auto"])
 def test_sigmoid_mlp_stays_stacked_and_audits_bit_exact(tmp_path, capsys, vectorize):
     """Digits (batch 5 x 15 hidden units per client): fit, unlearn client 3, audit; refused before."""

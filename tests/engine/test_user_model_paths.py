@@ -146,6 +146,7 @@ def _audit(tmp_path, cls, vectorize):
 
 
 # (1) batch_idx --------------------------------------------------------------------------------
+@pytest.mark.exactness
 def test_batch_idx_is_the_local_step_on_the_stacked_path(tmp_path):
     a, b, line, _ = _both(BatchIdx)
     assert "stacked clients, kernel vmap" in line
@@ -231,6 +232,7 @@ def test_unused_parameter_gets_no_update_stacked_as_on_the_loop(batch_invariant)
         assert torch.equal(a.params[k], start[k].expand_as(a.params[k]))
 
 
+@pytest.mark.exactness
 def test_unused_parameter_audits_bit_exact_stacked(tmp_path):
     _audit(tmp_path, AuxHead, "always")
 

@@ -186,6 +186,7 @@ def _trainer(root, vectorize):
     )
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("vectorize", ["always", "never"])
 @pytest.mark.parametrize(("cls", "shape"), CASES)
 def test_fit_unlearn_audit_bit_exact_float32(tmp_path, cls, shape, vectorize):
