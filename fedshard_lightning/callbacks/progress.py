@@ -55,7 +55,8 @@ class ProgressBar(FederatedCallback):
         self.force, self.plain = force, plain
         self.refresh_every_s = float(refresh_every_s)
         self.plain_every_s = float(plain_every_s)
-        self._shown = self._printed = 0.0
+        self._printed = 0.0
+        self._shown = float("-inf")  # nothing shown yet: the first round is (perf_counter counts from boot)
         self._progress: Any = None
         self._task: Any = None
         self._t0 = 0.0

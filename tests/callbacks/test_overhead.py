@@ -114,14 +114,19 @@ class _FakeProgress:
         pass
 
 
-@pytest.mark.parametrize(("refresh", "want"), [(3600.0, 3), (0.0, 11)])
-def test_live_progress_redraws_at_most_every_refresh_interval(refresh, want):
+@pytest.mark.parametrize(("refresh", "want"), [(3600.0, 3), (0.5, 11), (0.0, 11)])
+def test_live_progress_redraws_at_most_every_refresh_interval(refresh, want, monkeypatch):
+    import fedshard_lightning.callbacks.progress as progress
+
+    now = [0.0]  # the test's clock, a second per round: the count never depends on the machine's speed
+    monkeypatch.setattr(progress, "time", SimpleNamespace(perf_counter=lambda: now[0]))
     bar = ProgressBar(force=True, refresh_every_s=refresh)
     trainer = SimpleNamespace(is_global_zero=True, algorithm=None)
     bar.on_fit_start(trainer)
     bar._progress = fake = _FakeProgress()
     bar.on_stage_start(trainer, 1, [SimpleNamespace(rounds=10, clients=(0, 1))])
     for r in range(10):
+        now[0] += 1.0
         bar.on_round_end(trainer, SimpleNamespace(round=r), {"train_loss": 1.0, "client_steps": 2.0 * r})
     # stage start, then the first round (nothing shown yet) and the stage's last round always
     assert fake.updates == want
