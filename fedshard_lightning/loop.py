@@ -26,6 +26,7 @@ from fedshard_lightning import numerics
 from fedshard_lightning.cache import atomic_write_bytes, atomic_write_json
 from fedshard_lightning.cache_io import read_json_object
 from fedshard_lightning.callbacks.dispatch import call_hook
+from fedshard_lightning.checkpoint import resolved_config, stale_files
 from fedshard_lightning.engine import FederatedEngine, Group, LocalSchedule, RoundInfo
 from fedshard_lightning.engine.allocator import configure_process
 from fedshard_lightning.errors import CacheError, ConfigError
@@ -33,7 +34,7 @@ from fedshard_lightning.loggers import finish_loggers, restore_csv_history
 from fedshard_lightning.no_config import one_line as _one_line
 from fedshard_lightning.peer_watch import launch_watched
 from fedshard_lightning.requests import validate_exclude
-from fedshard_lightning.run_dir import Journal, model_is_stale, recover_reports
+from fedshard_lightning.run_dir import Journal, recover_reports
 from fedshard_lightning.unlearning.context import AlgorithmContext, LoopEvents
 from fedshard_lightning.unlearning.contract import check_params
 from fedshard_lightning.wandb_resume import open_resumed_fit_run
@@ -188,7 +189,9 @@ def run_fit(trainer: Any, run_dir: Path, resume: bool, exclude: list[int]) -> di
     algorithm reported no final ``stage_end``, the finished state is committed here.
     """
     if trainer.config_yaml is not None and trainer.is_global_zero and not (run_dir / "config.yaml").exists():
-        atomic_write_bytes(run_dir / "config.yaml", trainer.config_yaml.encode())
+        atomic_write_bytes(
+            run_dir / "config.yaml", resolved_config(trainer.config_yaml, trainer.module).encode()
+        )
     t0 = time.perf_counter()
     alg, resumed, finished = trainer.algorithm, False, False
     if resume and trainer.store.cache.exists():
@@ -243,7 +246,7 @@ def run_fit(trainer: Any, run_dir: Path, resume: bool, exclude: list[int]) -> di
         trainer._print(f"fit: {run_dir} was already complete; nothing was trained (its metrics.json stands)")
         metrics = recorded
     if trainer.is_global_zero:
-        if recorded is None or model_is_stale(run_dir / "model.safetensors", params, trainer.device):
+        if recorded is None or stale_files(run_dir, params, trainer.device):
             trainer._write_model(params)
         if recorded is None:
             atomic_write_json(run_dir / "metrics.json", metrics)
@@ -368,10 +371,12 @@ def load_run(trainer: Any, run_dir: Path) -> None:
         return
     # The cache is the truth: re-create what a crash after a commit may have left stale.
     params = trainer.algorithm.current_params()
-    if model_is_stale(run_dir / "model.safetensors", params, trainer.device):
+    stale = stale_files(run_dir, params, trainer.device)
+    if stale:
         trainer._write_model(params)  # never silently: a reader learns that the file had drifted
         trainer._print(
-            f"note: {run_dir / 'model.safetensors'} differed from the cache; rewrote it from the cache"
+            f"note: {' and '.join(str(run_dir / n) for n in stale)} differed from the cache or was missing; "
+            "rewrote it from the cache"
         )
     else:
         trainer._set_params(params)

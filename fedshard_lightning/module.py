@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import lightning as L
 import torch
@@ -142,6 +142,17 @@ class FederatedModule(RecordsInitArgs, L.LightningModule):
             out = self(torch.zeros(1, *self.input_shape, dtype=self.param_dtype))
             self.train()
         check_outputs(self, out, int(num_classes))
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Take the checkpoint's floating dtype before its tensors are copied in.
+
+        ``load_from_checkpoint`` copies into the module's own dtype; a ``64-true`` run's float64
+        weights would otherwise be rounded to float32.
+        """
+        tensors = (checkpoint.get("state_dict") or {}).values()
+        dtype = next((v.dtype for v in tensors if isinstance(v, Tensor) and v.is_floating_point()), None)
+        if dtype is not None:
+            self.to(dtype)
 
     @property
     def param_dtype(self) -> torch.dtype:

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from fedshard_lightning.cache import FLCache
 from fedshard_lightning.callbacks import FederatedCallback, default_callbacks
+from fedshard_lightning.checkpoint import CHECKPOINT, save_checkpoint
 from fedshard_lightning.commands import run_audit, run_test
 from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.deployed import save_model
@@ -258,8 +259,10 @@ class FederatedTrainer:
                 named[k].copy_(v)
 
     def _write_model(self, params: dict[str, Tensor]) -> None:
+        """The deployed model: ``model.safetensors`` and the Lightning checkpoint ``model.ckpt``."""
         self._set_params(params)
         save_model(self.run_dir / "model.safetensors", self.module.state_dict())
+        save_checkpoint(self.run_dir / CHECKPOINT, self.module)
 
     def _print(self, text: str) -> None:
         if self.is_global_zero:
