@@ -135,3 +135,19 @@ def test_readme_snippets_load_the_run(digits_run):
         loaded.append(namespace["model"])
     a, b = (m.state_dict() for m in loaded)
     assert all(torch.equal(a[k], b[k]) for k in a) and not loaded[1].training
+
+
+def test_recorded_shapes_keep_the_fingerprint_of_open_ones():
+    from fedshard_lightning.fingerprint import fingerprint
+    from fedshard_lightning.module import bind_model
+    from fedshard_lightning.unlearning import FedShard
+
+    data = tiny_data()
+
+    def fp(**shapes):
+        model = MLP(hidden=(16,), **shapes)
+        bind_model(model, data.input_shape, data.num_classes)
+        return fingerprint(model, data, FedShard(), 0)
+
+    assert fp() == fp(num_classes=4, input_shape=[10]) == fp(num_classes=4)
+    assert fp() != fp(num_classes=5)  # a wider head is another model
