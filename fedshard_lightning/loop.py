@@ -106,6 +106,8 @@ class TrainerEvents(LoopEvents):
                 memory_budget_mb=t.memory_budget_mb,
                 batch_invariant=t.batch_invariant,
                 compile=t.compile,
+                gradient_clip_val=t.gradient_clip_val,
+                gradient_clip_algorithm=t.gradient_clip_algorithm,
             )
             engine.on_mode = t._print
             return engine

@@ -30,6 +30,7 @@ from fedshard_lightning.commands import run_audit, run_test
 from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.deployed import save_model
 from fedshard_lightning.engine.evaluate import Evaluator
+from fedshard_lightning.engine.grad_clip import grad_clip
 from fedshard_lightning.errors import FedShardError
 from fedshard_lightning.fingerprint import body_fingerprint, readable_body
 from fedshard_lightning.loggers import next_log_step, run_loggers
@@ -88,6 +89,13 @@ class FederatedTrainer:
             matmuls in IEEE float32), ``true`` TF32 in both, ``false`` IEEE float32 in both.
             Every setting is deterministic and audits bit-exact; each gives other bits, so the
             flags are recorded in ``RUN/numerics.json`` and reused by unlearn and audit.
+        gradient_clip_val: Clip each client's gradients before each local step, as Lightning's
+            Trainer does, by this norm (or value); null or 0: no clipping. Each client is clipped by
+            its own gradients only (a norm over all clients would couple them). Recorded with the
+            run: unlearn and audit refuse another setting.
+        gradient_clip_algorithm: ``norm`` (default) or ``value``. A model's own
+            ``configure_gradient_clipping`` is called with both, on one client's gradients at a
+            time (on the per-client loop).
     """
 
     def __init__(
@@ -116,6 +124,8 @@ class FederatedTrainer:
         batch_invariant: bool = True,
         compile: bool = False,
         tf32: bool | None = None,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: Literal["norm", "value"] | None = None,
     ) -> None:
         algorithm = check_options(
             algorithm,
@@ -127,6 +137,8 @@ class FederatedTrainer:
             num_threads,
             seed,
             as_list(loggers),
+            gradient_clip_val,
+            gradient_clip_algorithm,
         )
         self.algorithm = algorithm
         self.accelerator, self.devices, self.strategy, self.precision = (
@@ -150,6 +162,8 @@ class FederatedTrainer:
         self.seed = int(seed)
         self.batch_invariant, self.compile = bool(batch_invariant), bool(compile)
         self.tf32 = None if tf32 is None else bool(tf32)
+        self.gradient_clip_val = None if gradient_clip_val is None else float(gradient_clip_val)
+        self.gradient_clip_algorithm = gradient_clip_algorithm or "norm"
         self.numerics_notes: list[str] = []
         self.config_yaml: str | None = None
         self.fabric: L.Fabric | None = None
@@ -236,6 +250,8 @@ class FederatedTrainer:
         check_implemented(self.algorithm)
         self.algorithm.setup(self._events.context())
         body = readable_body(self.module, datamodule, self.algorithm, self.seed)  # the data hashed once
+        clip = grad_clip(self.module, self.gradient_clip_val, self.gradient_clip_algorithm)
+        body["gradient_clip"] = clip.record() if clip is not None else {"val": None}
         self.store = RunStore(
             FLCache(run_dir / "cache"),
             body_fingerprint(body),

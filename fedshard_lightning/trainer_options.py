@@ -13,6 +13,7 @@ import lightning as L
 from lightning.fabric.loggers import Logger
 
 from fedshard_lightning.data.base import FederatedDataModule
+from fedshard_lightning.engine.grad_clip import ALGORITHMS
 from fedshard_lightning.errors import ConfigError
 from fedshard_lightning.unlearning.base import Algorithm
 
@@ -34,6 +35,8 @@ def check_options(
     num_threads: int | None,
     seed: int = 0,
     loggers: list[Any] | None = None,
+    gradient_clip_val: float | None = None,
+    gradient_clip_algorithm: str | None = None,
 ) -> Algorithm:
     """Check the trainer's options; returns the algorithm (FedShard's defaults when None).
 
@@ -70,12 +73,24 @@ def check_options(
         )
     if not _is_int(seed) or not 0 <= seed < 2**32:
         raise ConfigError(f"trainer.seed={seed!r}: give an integer in [0, 2**32), as seed_everything takes")
+    check_gradient_clip(gradient_clip_val, gradient_clip_algorithm)
     for logger in loggers or []:
         if not isinstance(logger, Logger):
             raise ConfigError(
                 f"trainer.loggers: expected lightning.fabric.loggers.Logger instances, got {type(logger).__name__}"
             )
     return algorithm
+
+
+def check_gradient_clip(val: Any, algorithm: Any) -> None:
+    """Lightning's clipping settings: a finite value >= 0 (0 or null: none) and ``norm`` or ``value``."""
+    number = isinstance(val, (int, float)) and not isinstance(val, bool)
+    if val is not None and (not number or not 0 <= val < float("inf")):
+        raise ConfigError(
+            f"trainer.gradient_clip_val={val!r}: must be a finite number >= 0 (0 or null: no clipping)"
+        )
+    if algorithm is not None and algorithm not in ALGORITHMS:
+        raise ConfigError(f"trainer.gradient_clip_algorithm={algorithm!r}: choose norm or value")
 
 
 def _is_int(value: Any) -> bool:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from fedshard_lightning.engine.grad_clip import clip_module
 from fedshard_lightning.engine.optim import RoundLR, normalize_optimizer
 from fedshard_lightning.engine.step_context import step_loss
 from fedshard_lightning.module import takes_batch_idx
@@ -113,6 +114,8 @@ def run_client_loop(
                 finally:
                     logged = tr._worker_ctx.end()
                 loss.backward()
+                if tr.clip is not None:
+                    clip_module(worker, opt, tr.clip)
                 opt.step()
                 loss_sum[i] += loss.detach()
                 for k, v in logged.items():

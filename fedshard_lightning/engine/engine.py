@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.engine.aggregate import GroupSums, SumLayout
 from fedshard_lightning.engine.fixed_blocks import train_in_blocks
+from fedshard_lightning.engine.grad_clip import grad_clip
 from fedshard_lightning.engine.groups import (
     Group,
     RoundInfo,
@@ -75,6 +76,8 @@ class FederatedEngine:
             chunk (see :meth:`invariant_block`), so float32 unlearning replays bit for bit.
         compile: ``torch.compile`` the stacked step (the chain kernel or the fx program; vmap
             stays eager). Shapes are then fixed per call, so each shape compiles once.
+        gradient_clip_val: Clip each client's gradients to this norm (or value); None: no clipping.
+        gradient_clip_algorithm: ``norm`` or ``value`` (:mod:`.grad_clip`).
     """
 
     def __init__(
@@ -89,6 +92,8 @@ class FederatedEngine:
         memory_budget_mb: float = 2048.0,
         batch_invariant: bool = True,
         compile: bool = False,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str = "norm",
     ) -> None:
         if not 0 < client_fraction <= 1:
             raise ConfigError(f"client_fraction={client_fraction}: must be in (0, 1]")
@@ -111,6 +116,7 @@ class FederatedEngine:
             module, datamodule, schedule, self.spec, self.names, self.seed, self.buffer_names
         )
         self.local.compiled = bool(compile)
+        self.local.clip = grad_clip(module, gradient_clip_val, gradient_clip_algorithm)
         self.sizes = np.asarray(datamodule.client_sizes, dtype=np.int64)
         self._mode: str | None = {"always": "stacked", "never": "loop"}.get(vectorize)
         self.mode_reason = {"always": "vectorize: always", "never": "vectorize: never"}.get(vectorize, "")
