@@ -29,6 +29,7 @@ from fedshard_lightning.checkpoint import CHECKPOINT, save_checkpoint
 from fedshard_lightning.commands import run_audit, run_test
 from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.deployed import save_model
+from fedshard_lightning.dev_run import run_dev
 from fedshard_lightning.engine.evaluate import Evaluator
 from fedshard_lightning.engine.grad_clip import grad_clip
 from fedshard_lightning.errors import FedShardError
@@ -96,6 +97,8 @@ class FederatedTrainer:
         gradient_clip_algorithm: ``norm`` (default) or ``value``. A model's own
             ``configure_gradient_clipping`` is called with both, on one client's gradients at a
             time (on the per-client loop).
+        fast_dev_run: ``fit`` trains one round of one stage on a few clients, prints one line and
+            saves nothing (no run folder, cache or model), to find bugs before a long run.
     """
 
     def __init__(
@@ -126,6 +129,7 @@ class FederatedTrainer:
         tf32: bool | None = None,
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: Literal["norm", "value"] | None = None,
+        fast_dev_run: bool = False,
     ) -> None:
         algorithm = check_options(
             algorithm,
@@ -164,6 +168,7 @@ class FederatedTrainer:
         self.tf32 = None if tf32 is None else bool(tf32)
         self.gradient_clip_val = None if gradient_clip_val is None else float(gradient_clip_val)
         self.gradient_clip_algorithm = gradient_clip_algorithm or "norm"
+        self.fast_dev_run = bool(fast_dev_run)
         self.numerics_notes: list[str] = []
         self.config_yaml: str | None = None
         self.fabric: L.Fabric | None = None
@@ -302,6 +307,8 @@ class FederatedTrainer:
             exclude_clients: Train as if these clients had left before training (the reference
                 that exact unlearning must equal).
         """
+        if self.fast_dev_run:
+            return run_dev(self, model, datamodule, ckpt_path)
         resume = ckpt_path is not None
         self._launch()
         if resume:
