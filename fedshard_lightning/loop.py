@@ -29,6 +29,7 @@ from fedshard_lightning.callbacks.dispatch import call_hook
 from fedshard_lightning.checkpoint import resolved_config, stale_files
 from fedshard_lightning.engine import FederatedEngine, Group, LocalSchedule, RoundInfo
 from fedshard_lightning.engine.allocator import configure_process
+from fedshard_lightning.engine.optim import state_kept
 from fedshard_lightning.errors import CacheError, ConfigError
 from fedshard_lightning.loggers import finish_loggers, restore_csv_history
 from fedshard_lightning.no_config import one_line as _one_line
@@ -218,6 +219,12 @@ def run_fit(trainer: Any, run_dir: Path, resume: bool, exclude: list[int]) -> di
     if not resumed:
         alg.reset(alg.engine.module_params(), exclude=validate_exclude(exclude, alg.num_clients))
         trainer.store.requests, trainer.store.complete_committed = [], False
+    kept = state_kept(alg.engine.spec)
+    if kept:  # never silently: a user of Adam may expect its moments to carry over
+        trainer._print(
+            f"note: the client optimizer {alg.engine.spec.cls.__name__} keeps state ({', '.join(kept)}); each "
+            "client starts every round with a fresh optimizer, so that state is reset every round"
+        )
     call_hook(trainer.fabric, "on_fit_start", trainer)
     try:
         params = check_params(
