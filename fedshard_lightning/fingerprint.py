@@ -36,7 +36,7 @@ __all__ = [
 ]
 
 #: What :func:`readable_body` adds to :func:`fingerprint_body` without hashing it.
-_UNHASHED = ("data_settings", "optimizer", "data_values", "gradient_clip")
+_UNHASHED = ("data_settings", "optimizer", "data_values", "gradient_clip", "optimizer_state")
 
 #: Rounds of the scheduler's learning rates recorded (a changed schedule shows in its first rates).
 SCHEDULE_ROUNDS = 4

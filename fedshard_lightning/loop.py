@@ -109,6 +109,7 @@ class TrainerEvents(LoopEvents):
                 compile=t.compile,
                 gradient_clip_val=t.gradient_clip_val,
                 gradient_clip_algorithm=t.gradient_clip_algorithm,
+                optimizer_state=t.optimizer_state,
             )
             engine.on_mode = t._print
             return engine
@@ -220,10 +221,13 @@ def run_fit(trainer: Any, run_dir: Path, resume: bool, exclude: list[int]) -> di
         alg.reset(alg.engine.module_params(), exclude=validate_exclude(exclude, alg.num_clients))
         trainer.store.requests, trainer.store.complete_committed = [], False
     kept = state_kept(alg.engine.spec)
-    if kept:  # never silently: a user of Adam may expect its moments to carry over
+    if (
+        kept and trainer.optimizer_state == "reset"
+    ):  # never silently: a user of Adam may expect its moments kept
         trainer._print(
             f"note: the client optimizer {alg.engine.spec.cls.__name__} keeps state ({', '.join(kept)}); each "
-            "client starts every round with a fresh optimizer, so that state is reset every round"
+            "client starts every round with a fresh optimizer, so that state is reset every round "
+            "(trainer.optimizer_state keep carries it between rounds)"
         )
     call_hook(trainer.fabric, "on_fit_start", trainer)
     try:

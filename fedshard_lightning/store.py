@@ -159,6 +159,11 @@ class RunStore:
                 "the data files it was fitted on",
             ),
             (
+                "optimizer_state",
+                "another trainer.optimizer_state",
+                "the run's own setting (its config.yaml)",
+            ),
+            (
                 "gradient_clip",
                 "another gradient clipping (trainer.gradient_clip_val / gradient_clip_algorithm)",
                 "the run's own setting (its config.yaml)",

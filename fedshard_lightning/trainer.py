@@ -41,7 +41,13 @@ from fedshard_lightning.numerics import keep_caller_state
 from fedshard_lightning.requests import apply_request
 from fedshard_lightning.run_dir import existing_run_dir, new_run_dir, resume_hint, run_lock
 from fedshard_lightning.store import RunStore
-from fedshard_lightning.trainer_options import as_list, check_inputs, check_options, check_tolerance
+from fedshard_lightning.trainer_options import (
+    as_list,
+    check_inputs,
+    check_optimizer_state,
+    check_options,
+    check_tolerance,
+)
 from fedshard_lightning.unlearning.base import Algorithm
 from fedshard_lightning.unlearning.contract import check_implemented
 
@@ -97,6 +103,10 @@ class FederatedTrainer:
         gradient_clip_algorithm: ``norm`` (default) or ``value``. A model's own
             ``configure_gradient_clipping`` is called with both, on one client's gradients at a
             time (on the per-client loop).
+        optimizer_state: ``reset`` (default, the usual federated convention: each client's optimizer
+            starts fresh every round) or ``keep`` (a stateful optimizer such as Adam carries each
+            client's state from its last round to its next within a stage; trains on the per-client
+            loop; recorded with the run, and refused for an optimizer without state).
         fast_dev_run: ``fit`` trains one round of one stage on a few clients, prints one line and
             saves nothing (no run folder, cache or model), to find bugs before a long run.
     """
@@ -130,6 +140,7 @@ class FederatedTrainer:
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: Literal["norm", "value"] | None = None,
         fast_dev_run: bool = False,
+        optimizer_state: Literal["reset", "keep"] = "reset",
     ) -> None:
         algorithm = check_options(
             algorithm,
@@ -143,6 +154,7 @@ class FederatedTrainer:
             as_list(loggers),
             gradient_clip_val,
             gradient_clip_algorithm,
+            optimizer_state,
         )
         self.algorithm = algorithm
         self.accelerator, self.devices, self.strategy, self.precision = (
@@ -169,6 +181,7 @@ class FederatedTrainer:
         self.gradient_clip_val = None if gradient_clip_val is None else float(gradient_clip_val)
         self.gradient_clip_algorithm = gradient_clip_algorithm or "norm"
         self.fast_dev_run = bool(fast_dev_run)
+        self.optimizer_state = optimizer_state
         self.numerics_notes: list[str] = []
         self.config_yaml: str | None = None
         self.fabric: L.Fabric | None = None
@@ -254,9 +267,11 @@ class FederatedTrainer:
         self._events = TrainerEvents(self)
         check_implemented(self.algorithm)
         self.algorithm.setup(self._events.context())
+        check_optimizer_state(self.optimizer_state, self.algorithm.engine.spec)
         body = readable_body(self.module, datamodule, self.algorithm, self.seed)  # the data hashed once
         clip = grad_clip(self.module, self.gradient_clip_val, self.gradient_clip_algorithm)
         body["gradient_clip"] = clip.record() if clip is not None else {"val": None}
+        body["optimizer_state"] = self.optimizer_state
         self.store = RunStore(
             FLCache(run_dir / "cache"),
             body_fingerprint(body),

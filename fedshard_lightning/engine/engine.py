@@ -78,6 +78,9 @@ class FederatedEngine:
             stays eager). Shapes are then fixed per call, so each shape compiles once.
         gradient_clip_val: Clip each client's gradients to this norm (or value); None: no clipping.
         gradient_clip_algorithm: ``norm`` or ``value`` (:mod:`.grad_clip`).
+        optimizer_state: ``reset`` (a fresh client optimizer every round) or ``keep`` (each client's
+            optimizer state carried from its last round to its next, within one :meth:`train_groups`
+            call, so a retrained stage replays it from the stage's start; on the per-client loop).
     """
 
     def __init__(
@@ -94,6 +97,7 @@ class FederatedEngine:
         compile: bool = False,
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str = "norm",
+        optimizer_state: Literal["reset", "keep"] = "reset",
     ) -> None:
         if not 0 < client_fraction <= 1:
             raise ConfigError(f"client_fraction={client_fraction}: must be in (0, 1]")
@@ -117,11 +121,19 @@ class FederatedEngine:
         )
         self.local.compiled = bool(compile)
         self.local.clip = grad_clip(module, gradient_clip_val, gradient_clip_algorithm)
+        if optimizer_state not in ("reset", "keep"):
+            raise ConfigError(f"optimizer_state={optimizer_state!r}: choose reset or keep")
+        self.keep_state = optimizer_state == "keep"
         self.sizes = np.asarray(datamodule.client_sizes, dtype=np.int64)
         self._mode: str | None = {"always": "stacked", "never": "loop"}.get(vectorize)
         self.mode_reason = {"always": "vectorize: always", "never": "vectorize: never"}.get(vectorize, "")
         # ``always`` checks the stacked path against the loop once (path_choice.check_agreement).
         self._unchecked = vectorize == "always"
+        if self.keep_state:  # each client's optimizer object lives on only in the loop
+            self._mode, self._unchecked = "loop", False
+            self.mode_reason = (
+                "optimizer_state: keep carries each client's optimizer state on the per-client loop"
+            )
         # Called once with a one-line account of the path taken (e.g. the trainer's print).
         self.on_mode: Callable[[str], None] | None = None
         self._announced = False
@@ -321,6 +333,7 @@ class FederatedEngine:
             if lean_eligible(self, groups):
                 return run_lean(self, init, groups, stage, on_round_end)  # the same results, leaner
         t0 = time.perf_counter()
+        self.local.client_states = {} if self.keep_state else None  # every call starts fresh: replayable
         state = {k: v.clone() for k, v in init.items()}
         G = len(groups)
         stopped = [False] * G

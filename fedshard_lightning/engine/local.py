@@ -127,6 +127,9 @@ class LocalTrainer:
         self.loop_uses_spec = False
         # Each client's gradient clipping (trainer.gradient_clip_val); None: none (grad_clip.py).
         self.clip: GradClip | None = None
+        # optimizer_state: keep: each client's optimizer state by client id, carried between the
+        # rounds of one train_groups call (the per-client loop); None: a fresh optimizer every round.
+        self.client_states: dict[int, dict[str, Any]] | None = None
         self._fused: tuple[OptimizerSpec | None, dict[str, float] | None] = (None, None)
         own = [ix.cpu().numpy().astype(np.int64) for ix in datamodule.client_indices]
         self.plans = BatchPlans(schedule, seed, own)  # keyed batches, planned ahead by the engine
