@@ -254,7 +254,10 @@ def state_kept(spec: OptimizerSpec) -> list[str]:
     for _, hp in spec.groups:
         p = torch.nn.Parameter(torch.ones(2))
         p.grad = torch.ones(2)
-        opt = spec.cls([{"params": [p], **hp}])
-        opt.step()
+        try:
+            opt = spec.cls([{"params": [p], **hp}])
+            opt.step()
+        except (RuntimeError, ValueError, TypeError):  # settings for another device (capturable): unknown
+            continue
         names.update(k for k, v in opt.state[p].items() if isinstance(v, Tensor) and k != "step")
     return sorted(names)
