@@ -10,9 +10,31 @@ import torch.nn.functional as F
 from _cli import cli
 from _tiny import tiny_data, tiny_trainer
 
+from fedshard_lightning.data import DigitsDataModule
 from fedshard_lightning.engine import FederatedEngine, Group, LocalSchedule, stack_params
 from fedshard_lightning.engine.local import ClientBatch
 from fedshard_lightning.models import MLP
+from fedshard_lightning.trainer import FederatedTrainer
+from fedshard_lightning.unlearning import FedShard
+
+
+class SmoothedAdamW(MLP):
+    """AdamW (lr 3e-3, weight decay 0.05) on cross entropy with label smoothing 0.1."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(hidden=(64, 64), optimizer="adamw", lr=3e-3, weight_decay=0.05, **kw)
+
+    def per_sample_loss(self, batch):
+        x, y = batch
+        return F.cross_entropy(self(x), y, reduction="none", label_smoothing=0.1)
+
+
+def test_adamw_with_label_smoothing_learns_digits_with_its_state_reset_each_round(tmp_path):
+    algorithm = FedShard(merge_rate=2, merge="a1", rounds="a2", t0=2, t1=8, batch_size=10, local_epochs=2)
+    data = DigitsDataModule(num_clients=32, partition="dirichlet", rho=0.5, min_client_size=10, seed=0)
+    trainer = FederatedTrainer(algorithm=algorithm, default_root_dir=str(tmp_path), enable_progress_bar=False)
+    torch.manual_seed(0)
+    assert trainer.fit(SmoothedAdamW(), data)["test_accuracy"] >= 0.85
 
 
 def _fedavg_reference(model, dm, engine, clients, rounds, keep):
