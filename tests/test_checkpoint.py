@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -151,3 +152,17 @@ def test_recorded_shapes_keep_the_fingerprint_of_open_ones():
 
     assert fp() == fp(num_classes=4, input_shape=[10]) == fp(num_classes=4)
     assert fp() != fp(num_classes=5)  # a wider head is another model
+
+
+def test_a_config_without_shapes_takes_them_from_its_data(digits_run, tmp_path):
+    run = tmp_path / "older"
+    shutil.copytree(digits_run, run)
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    for key in ("num_classes", "input_shape"):
+        del config["model"]["init_args"][key]
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    a, b = (
+        fedshard_lightning.load_model(run).state_dict(),
+        fedshard_lightning.load_model(digits_run).state_dict(),
+    )
+    assert all(torch.equal(a[k], b[k]) for k in b)
