@@ -1,6 +1,6 @@
 """FedShard on Lightning Fabric: vectorized federated learning with exact, fair, fast unlearning.
 
-The two public names are imported on first use (PEP 562), so ``python -m fedshard_lightning`` can
+The public names are imported on first use (PEP 562), so ``python -m fedshard_lightning`` can
 answer a Ctrl-C during the seconds that torch and Lightning take to import with one line.
 """
 
@@ -9,10 +9,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from fedshard_lightning.checkpoint import load_model
     from fedshard_lightning.module import FederatedModule
     from fedshard_lightning.trainer import FederatedTrainer
 
-__all__ = ["FederatedModule", "FederatedTrainer"]
+__all__ = ["FederatedModule", "FederatedTrainer", "load_model"]
 __version__ = "0.1.0"
 
 
@@ -25,4 +26,8 @@ def __getattr__(name: str) -> Any:
         from fedshard_lightning.trainer import FederatedTrainer
 
         return FederatedTrainer
+    if name == "load_model":
+        from fedshard_lightning.checkpoint import load_model
+
+        return load_model
     raise AttributeError(f"module 'fedshard_lightning' has no attribute {name!r}")

@@ -36,7 +36,7 @@ __all__ = [
 ]
 
 #: What :func:`readable_body` adds to :func:`fingerprint_body` without hashing it.
-_UNHASHED = ("data_settings", "optimizer", "data_values")
+_UNHASHED = ("data_settings", "optimizer", "data_values", "gradient_clip", "optimizer_state")
 
 #: Rounds of the scheduler's learning rates recorded (a changed schedule shows in its first rates).
 SCHEDULE_ROUNDS = 4
@@ -45,13 +45,30 @@ SCHEDULE_ROUNDS = 4
 def fingerprint_body(model: Any, datamodule: Any, algorithm: Any, seed: int) -> dict[str, Any]:
     """What the fingerprint hashes (readable: printed when two runs disagree)."""
     return {
-        "model": init_args(model),
+        "model": _shapes_as_open(init_args(model), datamodule),
         "params": {n: list(p.shape) for n, p in model.named_parameters()},
         "dtype": str(next(model.parameters()).dtype),
         "data": datamodule.fingerprint(),
         "algorithm": init_args(algorithm),
         "seed": int(seed),
     }
+
+
+def _shapes_as_open(recorded: dict[str, Any], datamodule: Any) -> dict[str, Any]:
+    """The model's args with ``num_classes``/``input_shape`` equal to the data's written as open (``null``).
+
+    ``config.yaml`` records the shapes the data resolved, so a config read back names them where
+    the fit's left them open: the same model, the same fingerprint.
+    """
+    args = recorded.get("init_args")
+    if not isinstance(args, dict):
+        return recorded
+    data = {
+        "num_classes": getattr(datamodule, "num_classes", None),
+        "input_shape": list(getattr(datamodule, "input_shape", None) or []) or None,
+    }
+    same = {k: None for k, v in data.items() if v is not None and k in args and args[k] == v}
+    return {**recorded, "init_args": {**args, **same}} if same else recorded
 
 
 def fingerprint(model: Any, datamodule: Any, algorithm: Any, seed: int) -> str:

@@ -26,14 +26,16 @@ from fedshard_lightning import numerics
 from fedshard_lightning.cache import atomic_write_bytes, atomic_write_json
 from fedshard_lightning.cache_io import read_json_object
 from fedshard_lightning.callbacks.dispatch import call_hook
+from fedshard_lightning.checkpoint import resolved_config, stale_files
 from fedshard_lightning.engine import FederatedEngine, Group, LocalSchedule, RoundInfo
 from fedshard_lightning.engine.allocator import configure_process
+from fedshard_lightning.engine.optim import state_kept
 from fedshard_lightning.errors import CacheError, ConfigError
 from fedshard_lightning.loggers import finish_loggers, restore_csv_history
 from fedshard_lightning.no_config import one_line as _one_line
 from fedshard_lightning.peer_watch import launch_watched
 from fedshard_lightning.requests import validate_exclude
-from fedshard_lightning.run_dir import Journal, model_is_stale, recover_reports
+from fedshard_lightning.run_dir import Journal, recover_reports
 from fedshard_lightning.unlearning.context import AlgorithmContext, LoopEvents
 from fedshard_lightning.unlearning.contract import check_params
 from fedshard_lightning.wandb_resume import open_resumed_fit_run
@@ -105,6 +107,9 @@ class TrainerEvents(LoopEvents):
                 memory_budget_mb=t.memory_budget_mb,
                 batch_invariant=t.batch_invariant,
                 compile=t.compile,
+                gradient_clip_val=t.gradient_clip_val,
+                gradient_clip_algorithm=t.gradient_clip_algorithm,
+                optimizer_state=t.optimizer_state,
             )
             engine.on_mode = t._print
             return engine
@@ -188,7 +193,9 @@ def run_fit(trainer: Any, run_dir: Path, resume: bool, exclude: list[int]) -> di
     algorithm reported no final ``stage_end``, the finished state is committed here.
     """
     if trainer.config_yaml is not None and trainer.is_global_zero and not (run_dir / "config.yaml").exists():
-        atomic_write_bytes(run_dir / "config.yaml", trainer.config_yaml.encode())
+        atomic_write_bytes(
+            run_dir / "config.yaml", resolved_config(trainer.config_yaml, trainer.module).encode()
+        )
     t0 = time.perf_counter()
     alg, resumed, finished = trainer.algorithm, False, False
     if resume and trainer.store.cache.exists():
@@ -213,6 +220,15 @@ def run_fit(trainer: Any, run_dir: Path, resume: bool, exclude: list[int]) -> di
     if not resumed:
         alg.reset(alg.engine.module_params(), exclude=validate_exclude(exclude, alg.num_clients))
         trainer.store.requests, trainer.store.complete_committed = [], False
+    kept = state_kept(alg.engine.spec)
+    if (
+        kept and trainer.optimizer_state == "reset"
+    ):  # never silently: a user of Adam may expect its moments kept
+        trainer._print(
+            f"note: the client optimizer {alg.engine.spec.cls.__name__} keeps state ({', '.join(kept)}); each "
+            "client starts every round with a fresh optimizer, so that state is reset every round "
+            "(trainer.optimizer_state keep carries it between rounds)"
+        )
     call_hook(trainer.fabric, "on_fit_start", trainer)
     try:
         params = check_params(
@@ -243,7 +259,7 @@ def run_fit(trainer: Any, run_dir: Path, resume: bool, exclude: list[int]) -> di
         trainer._print(f"fit: {run_dir} was already complete; nothing was trained (its metrics.json stands)")
         metrics = recorded
     if trainer.is_global_zero:
-        if recorded is None or model_is_stale(run_dir / "model.safetensors", params, trainer.device):
+        if recorded is None or stale_files(run_dir, params, trainer.device):
             trainer._write_model(params)
         if recorded is None:
             atomic_write_json(run_dir / "metrics.json", metrics)
@@ -368,10 +384,12 @@ def load_run(trainer: Any, run_dir: Path) -> None:
         return
     # The cache is the truth: re-create what a crash after a commit may have left stale.
     params = trainer.algorithm.current_params()
-    if model_is_stale(run_dir / "model.safetensors", params, trainer.device):
+    stale = stale_files(run_dir, params, trainer.device)
+    if stale:
         trainer._write_model(params)  # never silently: a reader learns that the file had drifted
         trainer._print(
-            f"note: {run_dir / 'model.safetensors'} differed from the cache; rewrote it from the cache"
+            f"note: {' and '.join(str(run_dir / n) for n in stale)} differed from the cache or was missing; "
+            "rewrote it from the cache"
         )
     else:
         trainer._set_params(params)

@@ -5,8 +5,9 @@ trains federatedly (:func:`bind_model` prepares it; ``docs/architecture.md``, "S
 step may do: ``self.log``, ``nn.Dropout``, BatchNorm, one round-based LR scheduler). Local training
 calls ``setup("fit")`` and ``configure_model()`` once, then only ``training_step`` and
 ``configure_optimizers``: the training-loop hooks of Lightning's Trainer (``on_train_epoch_start``,
-``on_after_backward``, ``configure_gradient_clipping``, ``backward``, ...) and manual optimization
-are refused before training, and ``self.current_epoch`` and ``self.global_step`` stay 0.
+``on_after_backward``, ``backward``, ...) and manual optimization are refused before training, and
+``self.current_epoch`` and ``self.global_step`` stay 0. ``configure_gradient_clipping`` is called on
+each client's own gradients (``engine/grad_clip.py``).
 :class:`FederatedModule` adds what makes the engine fastest and configs shortest:
 
 * ``forward(x)`` maps a batch of inputs to logits; layers are built in ``configure_model`` once
@@ -37,7 +38,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import lightning as L
 import torch
@@ -73,7 +74,6 @@ LOOP_HOOKS = (
     "backward",
     "on_after_backward",
     "on_before_optimizer_step",
-    "configure_gradient_clipping",
     "optimizer_step",
     "on_before_zero_grad",
     "optimizer_zero_grad",
@@ -142,6 +142,17 @@ class FederatedModule(RecordsInitArgs, L.LightningModule):
             out = self(torch.zeros(1, *self.input_shape, dtype=self.param_dtype))
             self.train()
         check_outputs(self, out, int(num_classes))
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Take the checkpoint's floating dtype before its tensors are copied in.
+
+        ``load_from_checkpoint`` copies into the module's own dtype; a ``64-true`` run's float64
+        weights would otherwise be rounded to float32.
+        """
+        tensors = (checkpoint.get("state_dict") or {}).values()
+        dtype = next((v.dtype for v in tensors if isinstance(v, Tensor) and v.is_floating_point()), None)
+        if dtype is not None:
+            self.to(dtype)
 
     @property
     def param_dtype(self) -> torch.dtype:

@@ -17,7 +17,7 @@ from typing import Any
 from fedshard_lightning.cache import atomic_write_json
 from fedshard_lightning.callbacks.dispatch import call_hook
 from fedshard_lightning.callbacks.metrics_logger import log_request
-from fedshard_lightning.callbacks.progress import format_seconds
+from fedshard_lightning.callbacks.progress import format_rate, format_seconds
 from fedshard_lightning.errors import UnlearningRequestError
 from fedshard_lightning.loggers import finish_loggers, logged_requests
 from fedshard_lightning.run_dir import Journal
@@ -143,7 +143,7 @@ def request_start_line(run_dir: Path, number: int, ids: list[int], predicted: in
         rate = float(fit["client_steps"]) / float(fit["seconds"])
     except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
         return line
-    return f"{line} · ETA ~{format_seconds(predicted / rate)} at the fit's {rate:.0f} client-steps/s"
+    return f"{line} · ETA ~{format_seconds(predicted / rate)} at the fit's {format_rate(rate)} client-steps/s"
 
 
 def log_lost_requests(trainer: Any) -> int:

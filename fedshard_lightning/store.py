@@ -158,6 +158,16 @@ class RunStore:
                 "other training samples (same labels and partition)",
                 "the data files it was fitted on",
             ),
+            (
+                "optimizer_state",
+                "another trainer.optimizer_state",
+                "the run's own setting (its config.yaml)",
+            ),
+            (
+                "gradient_clip",
+                "another gradient clipping (trainer.gradient_clip_val / gradient_clip_algorithm)",
+                "the run's own setting (its config.yaml)",
+            ),
         ):
             then, now = recorded.get(key), body.get(key)
             if then is not None and now is not None and then != now:

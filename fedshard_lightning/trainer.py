@@ -25,10 +25,13 @@ from torch import Tensor
 
 from fedshard_lightning.cache import FLCache
 from fedshard_lightning.callbacks import FederatedCallback, default_callbacks
+from fedshard_lightning.checkpoint import CHECKPOINT, save_checkpoint
 from fedshard_lightning.commands import run_audit, run_test
 from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.deployed import save_model
+from fedshard_lightning.dev_run import run_dev
 from fedshard_lightning.engine.evaluate import Evaluator
+from fedshard_lightning.engine.grad_clip import grad_clip
 from fedshard_lightning.errors import FedShardError
 from fedshard_lightning.fingerprint import body_fingerprint, readable_body
 from fedshard_lightning.loggers import next_log_step, run_loggers
@@ -38,7 +41,13 @@ from fedshard_lightning.numerics import keep_caller_state
 from fedshard_lightning.requests import apply_request
 from fedshard_lightning.run_dir import existing_run_dir, new_run_dir, resume_hint, run_lock
 from fedshard_lightning.store import RunStore
-from fedshard_lightning.trainer_options import as_list, check_inputs, check_options, check_tolerance
+from fedshard_lightning.trainer_options import (
+    as_list,
+    check_inputs,
+    check_optimizer_state,
+    check_options,
+    check_tolerance,
+)
 from fedshard_lightning.unlearning.base import Algorithm
 from fedshard_lightning.unlearning.contract import check_implemented
 
@@ -87,6 +96,19 @@ class FederatedTrainer:
             matmuls in IEEE float32), ``true`` TF32 in both, ``false`` IEEE float32 in both.
             Every setting is deterministic and audits bit-exact; each gives other bits, so the
             flags are recorded in ``RUN/numerics.json`` and reused by unlearn and audit.
+        gradient_clip_val: Clip each client's gradients before each local step, as Lightning's
+            Trainer does, by this norm (or value); null or 0: no clipping. Each client is clipped by
+            its own gradients only (a norm over all clients would couple them). Recorded with the
+            run: unlearn and audit refuse another setting.
+        gradient_clip_algorithm: ``norm`` (default) or ``value``. A model's own
+            ``configure_gradient_clipping`` is called with both, on one client's gradients at a
+            time (on the per-client loop).
+        optimizer_state: ``reset`` (default, the usual federated convention: each client's optimizer
+            starts fresh every round) or ``keep`` (a stateful optimizer such as Adam carries each
+            client's state from its last round to its next within a stage; trains on the per-client
+            loop; recorded with the run, and refused for an optimizer without state).
+        fast_dev_run: ``fit`` trains one round of one stage on a few clients, prints one line and
+            saves nothing (no run folder, cache or model), to find bugs before a long run.
     """
 
     def __init__(
@@ -115,6 +137,10 @@ class FederatedTrainer:
         batch_invariant: bool = True,
         compile: bool = False,
         tf32: bool | None = None,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: Literal["norm", "value"] | None = None,
+        fast_dev_run: bool = False,
+        optimizer_state: Literal["reset", "keep"] = "reset",
     ) -> None:
         algorithm = check_options(
             algorithm,
@@ -126,6 +152,9 @@ class FederatedTrainer:
             num_threads,
             seed,
             as_list(loggers),
+            gradient_clip_val,
+            gradient_clip_algorithm,
+            optimizer_state,
         )
         self.algorithm = algorithm
         self.accelerator, self.devices, self.strategy, self.precision = (
@@ -149,6 +178,10 @@ class FederatedTrainer:
         self.seed = int(seed)
         self.batch_invariant, self.compile = bool(batch_invariant), bool(compile)
         self.tf32 = None if tf32 is None else bool(tf32)
+        self.gradient_clip_val = None if gradient_clip_val is None else float(gradient_clip_val)
+        self.gradient_clip_algorithm = gradient_clip_algorithm or "norm"
+        self.fast_dev_run = bool(fast_dev_run)
+        self.optimizer_state = optimizer_state
         self.numerics_notes: list[str] = []
         self.config_yaml: str | None = None
         self.fabric: L.Fabric | None = None
@@ -234,7 +267,11 @@ class FederatedTrainer:
         self._events = TrainerEvents(self)
         check_implemented(self.algorithm)
         self.algorithm.setup(self._events.context())
+        check_optimizer_state(self.optimizer_state, self.algorithm.engine.spec)
         body = readable_body(self.module, datamodule, self.algorithm, self.seed)  # the data hashed once
+        clip = grad_clip(self.module, self.gradient_clip_val, self.gradient_clip_algorithm)
+        body["gradient_clip"] = clip.record() if clip is not None else {"val": None}
+        body["optimizer_state"] = self.optimizer_state
         self.store = RunStore(
             FLCache(run_dir / "cache"),
             body_fingerprint(body),
@@ -258,8 +295,10 @@ class FederatedTrainer:
                 named[k].copy_(v)
 
     def _write_model(self, params: dict[str, Tensor]) -> None:
+        """The deployed model: ``model.safetensors`` and the Lightning checkpoint ``model.ckpt``."""
         self._set_params(params)
         save_model(self.run_dir / "model.safetensors", self.module.state_dict())
+        save_checkpoint(self.run_dir / CHECKPOINT, self.module)
 
     def _print(self, text: str) -> None:
         if self.is_global_zero:
@@ -283,6 +322,8 @@ class FederatedTrainer:
             exclude_clients: Train as if these clients had left before training (the reference
                 that exact unlearning must equal).
         """
+        if self.fast_dev_run:
+            return run_dev(self, model, datamodule, ckpt_path)
         resume = ckpt_path is not None
         self._launch()
         if resume:

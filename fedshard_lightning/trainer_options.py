@@ -13,10 +13,19 @@ import lightning as L
 from lightning.fabric.loggers import Logger
 
 from fedshard_lightning.data.base import FederatedDataModule
+from fedshard_lightning.engine.grad_clip import ALGORITHMS
+from fedshard_lightning.engine.optim import OptimizerSpec, state_kept
 from fedshard_lightning.errors import ConfigError
 from fedshard_lightning.unlearning.base import Algorithm
 
-__all__ = ["as_list", "check_inputs", "check_options", "check_tolerance"]
+__all__ = [
+    "as_list",
+    "check_gradient_clip",
+    "check_inputs",
+    "check_optimizer_state",
+    "check_options",
+    "check_tolerance",
+]
 
 
 def as_list(value: Any) -> list[Any]:
@@ -34,6 +43,9 @@ def check_options(
     num_threads: int | None,
     seed: int = 0,
     loggers: list[Any] | None = None,
+    gradient_clip_val: float | None = None,
+    gradient_clip_algorithm: str | None = None,
+    optimizer_state: str = "reset",
 ) -> Algorithm:
     """Check the trainer's options; returns the algorithm (FedShard's defaults when None).
 
@@ -70,12 +82,35 @@ def check_options(
         )
     if not _is_int(seed) or not 0 <= seed < 2**32:
         raise ConfigError(f"trainer.seed={seed!r}: give an integer in [0, 2**32), as seed_everything takes")
+    check_gradient_clip(gradient_clip_val, gradient_clip_algorithm)
+    if optimizer_state not in ("reset", "keep"):
+        raise ConfigError(f"trainer.optimizer_state={optimizer_state!r}: choose reset or keep")
     for logger in loggers or []:
         if not isinstance(logger, Logger):
             raise ConfigError(
                 f"trainer.loggers: expected lightning.fabric.loggers.Logger instances, got {type(logger).__name__}"
             )
     return algorithm
+
+
+def check_gradient_clip(val: Any, algorithm: Any) -> None:
+    """Lightning's clipping settings: a finite value >= 0 (0 or null: none) and ``norm`` or ``value``."""
+    number = isinstance(val, (int, float)) and not isinstance(val, bool)
+    if val is not None and (not number or not 0 <= val < float("inf")):
+        raise ConfigError(
+            f"trainer.gradient_clip_val={val!r}: must be a finite number >= 0 (0 or null: no clipping)"
+        )
+    if algorithm is not None and algorithm not in ALGORITHMS:
+        raise ConfigError(f"trainer.gradient_clip_algorithm={algorithm!r}: choose norm or value")
+
+
+def check_optimizer_state(setting: str, spec: OptimizerSpec) -> None:
+    """Refuse ``keep`` for a client optimizer that keeps no state (plain SGD): there is nothing to carry."""
+    if setting == "keep" and not state_kept(spec):
+        raise ConfigError(
+            f"trainer.optimizer_state=keep: the client optimizer {spec.cls.__name__} keeps no state between "
+            "steps (plain SGD); leave optimizer_state at reset, or use momentum or Adam"
+        )
 
 
 def _is_int(value: Any) -> bool:

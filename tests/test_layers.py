@@ -23,6 +23,7 @@ TRAINER_SIDE = {
     "run_dir",
     "loggers",
     "fingerprint",
+    "checkpoint",
     "cli",
     "callbacks",
     "experiments",

@@ -115,7 +115,7 @@ def _refusal(model: L.LightningModule) -> str:
 
 def test_training_loop_hooks_refused_in_one_line():
     assert _refusal(Hooked()) == (
-        "Hooked overrides on_train_epoch_start, configure_gradient_clipping, which federated local "
+        "Hooked overrides on_train_epoch_start, which federated local "
         "training never calls (it calls training_step and configure_optimizers only); move this "
         "logic into training_step"
     )

@@ -35,6 +35,15 @@ def format_seconds(seconds: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
+def format_rate(rate: float) -> str:
+    """``900``, ``3.5``, ``0.4``: two significant digits below 10, so a slow run never shows ``0``."""
+    if rate >= 10:
+        return f"{rate:.0f}"
+    if rate >= 0.01:
+        return f"{rate:.2g}"
+    return "0" if rate <= 0 else "<0.01"
+
+
 class ProgressBar(FederatedCallback):
     """Live progress on terminals, one log line per stage elsewhere.
 
@@ -105,7 +114,7 @@ class ProgressBar(FederatedCallback):
             (self._stage_label(), 0),
             (f"round {self._round}/{self._rounds}", 0),
             (f"{self._groups} group(s), {self._clients} clients", 4),
-            (f"{self._rate():.0f} client-steps/s", 3),
+            (f"{format_rate(self._rate())} client-steps/s", 3),
             (status, 1),
             (f"ETA {format_seconds(eta) if eta is not None else '?'}", 0),
             (f"elapsed {format_seconds(time.perf_counter() - self._t0)}" if elapsed else "", 2),
@@ -186,7 +195,7 @@ class ProgressBar(FederatedCallback):
             acc = metrics.get("test_accuracy")
             print(
                 f"fit: {self._stage_label()} done · {self._rounds} round(s) · {self._groups} group(s), "
-                f"{self._clients} clients · {self._rate():.0f} client-steps/s · "
+                f"{self._clients} clients · {format_rate(self._rate())} client-steps/s · "
                 + (f"test_accuracy {acc:.4f} · " if isinstance(acc, (int, float)) else "")
                 + f"elapsed {format_seconds(self._stage_t0 - self._t0)} · "
                 f"ETA {format_seconds(eta) if eta is not None else '?'}",

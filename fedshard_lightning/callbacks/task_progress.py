@@ -17,7 +17,7 @@ from typing import Any
 
 from fedshard_lightning.callbacks.base import FederatedCallback
 from fedshard_lightning.callbacks.line_fit import fit_line
-from fedshard_lightning.callbacks.progress import format_seconds
+from fedshard_lightning.callbacks.progress import format_rate, format_seconds
 
 __all__ = ["TaskProgress", "TaskProgressCallback"]
 
@@ -97,7 +97,7 @@ class TaskProgress:
         return [
             (f"{self.task}: {note}", 0),
             (f"{self.done:.0f}{total} client-steps", 1),
-            (f"{rate:.0f} client-steps/s", 3),
+            (f"{format_rate(rate)} client-steps/s", 3),
             (f"elapsed {format_seconds(elapsed)}", 2),
             (f"ETA {format_seconds(eta) if eta is not None else '?'}", 0),
         ]

@@ -4,7 +4,9 @@ One client after the other, with the user's own ``configure_optimizers``, on a d
 model (the worker); ``training_step`` gets the local step as ``batch_idx`` where it takes one. What a step may do is keyed as in the stacked path
 (:mod:`.step_context`): ``nn.Dropout`` masks from the client's step key, ``self.log`` values per
 client; other random operators draw from the device's generator, seeded with the same key before
-every step (inside ``fork_rng``, so the user's own stream is left as it was).
+every step (inside ``fork_rng``, so the user's own stream is left as it was). With
+``optimizer_state: keep`` a client's optimizer starts each round from the state its last round
+left (``LocalTrainer.client_states``), not fresh.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from fedshard_lightning.engine.grad_clip import clip_module
 from fedshard_lightning.engine.optim import RoundLR, normalize_optimizer
 from fedshard_lightning.engine.step_context import step_loss
 from fedshard_lightning.module import takes_batch_idx
@@ -97,8 +100,11 @@ def run_client_loop(
                 opt = tr.spec.build(params)
             else:
                 opt = normalize_optimizer(worker.configure_optimizers(), owner)
-                if tr.lr_at is not None:
-                    RoundLR.apply(opt, tr.lr_at(batch.round))
+            kept = tr.client_states.get(batch.clients[i]) if tr.client_states is not None else None
+            if kept is not None:  # optimizer_state: keep (the round's learning rates still apply below)
+                opt.load_state_dict(kept)
+            if not tr.loop_uses_spec and tr.lr_at is not None:
+                RoundLR.apply(opt, tr.lr_at(batch.round))
             gidx = torch.as_tensor(gidx_all[i], device=device)
             for s, size in enumerate(size_all[i, : steps[i]].tolist()):
                 x, y = tr.dm.gather(gidx[s, :size], tr.dtype)
@@ -113,10 +119,14 @@ def run_client_loop(
                 finally:
                     logged = tr._worker_ctx.end()
                 loss.backward()
+                if tr.clip is not None:
+                    clip_module(worker, opt, tr.clip)
                 opt.step()
                 loss_sum[i] += loss.detach()
                 for k, v in logged.items():
                     logs.setdefault(k, torch.zeros(m_all, dtype=tr.dtype, device=device))[i] += v
+            if tr.client_states is not None:
+                tr.client_states[batch.clients[i]] = opt.state_dict()
             with torch.no_grad():
                 for n in tr.names + tr.buffer_names:
                     out[n][i].copy_(params[n])

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.engine.aggregate import GroupSums, SumLayout
 from fedshard_lightning.engine.fixed_blocks import train_in_blocks
+from fedshard_lightning.engine.grad_clip import grad_clip
 from fedshard_lightning.engine.groups import (
     Group,
     RoundInfo,
@@ -75,6 +76,11 @@ class FederatedEngine:
             chunk (see :meth:`invariant_block`), so float32 unlearning replays bit for bit.
         compile: ``torch.compile`` the stacked step (the chain kernel or the fx program; vmap
             stays eager). Shapes are then fixed per call, so each shape compiles once.
+        gradient_clip_val: Clip each client's gradients to this norm (or value); None: no clipping.
+        gradient_clip_algorithm: ``norm`` or ``value`` (:mod:`.grad_clip`).
+        optimizer_state: ``reset`` (a fresh client optimizer every round) or ``keep`` (each client's
+            optimizer state carried from its last round to its next, within one :meth:`train_groups`
+            call, so a retrained stage replays it from the stage's start; on the per-client loop).
     """
 
     def __init__(
@@ -89,6 +95,9 @@ class FederatedEngine:
         memory_budget_mb: float = 2048.0,
         batch_invariant: bool = True,
         compile: bool = False,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str = "norm",
+        optimizer_state: Literal["reset", "keep"] = "reset",
     ) -> None:
         if not 0 < client_fraction <= 1:
             raise ConfigError(f"client_fraction={client_fraction}: must be in (0, 1]")
@@ -111,11 +120,20 @@ class FederatedEngine:
             module, datamodule, schedule, self.spec, self.names, self.seed, self.buffer_names
         )
         self.local.compiled = bool(compile)
+        self.local.clip = grad_clip(module, gradient_clip_val, gradient_clip_algorithm)
+        if optimizer_state not in ("reset", "keep"):
+            raise ConfigError(f"optimizer_state={optimizer_state!r}: choose reset or keep")
+        self.keep_state = optimizer_state == "keep"
         self.sizes = np.asarray(datamodule.client_sizes, dtype=np.int64)
         self._mode: str | None = {"always": "stacked", "never": "loop"}.get(vectorize)
         self.mode_reason = {"always": "vectorize: always", "never": "vectorize: never"}.get(vectorize, "")
         # ``always`` checks the stacked path against the loop once (path_choice.check_agreement).
         self._unchecked = vectorize == "always"
+        if self.keep_state:  # each client's optimizer object lives on only in the loop
+            self._mode, self._unchecked = "loop", False
+            self.mode_reason = (
+                "optimizer_state: keep carries each client's optimizer state on the per-client loop"
+            )
         # Called once with a one-line account of the path taken (e.g. the trainer's print).
         self.on_mode: Callable[[str], None] | None = None
         self._announced = False
@@ -315,6 +333,7 @@ class FederatedEngine:
             if lean_eligible(self, groups):
                 return run_lean(self, init, groups, stage, on_round_end)  # the same results, leaner
         t0 = time.perf_counter()
+        self.local.client_states = {} if self.keep_state else None  # every call starts fresh: replayable
         state = {k: v.clone() for k, v in init.items()}
         G = len(groups)
         stopped = [False] * G

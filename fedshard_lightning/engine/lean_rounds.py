@@ -50,7 +50,7 @@ def lean_eligible(engine: FederatedEngine, groups: Sequence[Group]) -> bool:
     if engine.mode != "stacked" or engine.local_names or engine.buffer_names or not engine.samples_everyone:
         return False
     local.program()  # the kernel choice, made once
-    if local.compiled or local.lr_at is not None or local.chain is None:
+    if local.compiled or local.lr_at is not None or local.chain is None or local.clip is not None:
         return False
     if engine.invariant_block() is not None or fused_sgd_lr(local.spec) is None:
         return False

@@ -28,6 +28,7 @@ from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.engine.chain import StackedChain
 from fedshard_lightning.engine.client_loop import ClientBatch, LocalResult, run_client_loop
 from fedshard_lightning.engine.fixed_blocks import train_in_blocks
+from fedshard_lightning.engine.grad_clip import GradClip, clip_rows
 from fedshard_lightning.engine.kernel_choice import choose_kernel
 from fedshard_lightning.engine.lone_rows import min_rows
 from fedshard_lightning.engine.mixed_sizes import mixed_sizes_fixed, mixed_sizes_split
@@ -124,6 +125,11 @@ class LocalTrainer:
         self.neighbour_run: Callable[[dict[str, Tensor], ClientBatch], LocalResult] | None = None
         self._compiled: dict[str, Any] = {}
         self.loop_uses_spec = False
+        # Each client's gradient clipping (trainer.gradient_clip_val); None: none (grad_clip.py).
+        self.clip: GradClip | None = None
+        # optimizer_state: keep: each client's optimizer state by client id, carried between the
+        # rounds of one train_groups call (the per-client loop); None: a fresh optimizer every round.
+        self.client_states: dict[int, dict[str, Any]] | None = None
         self._fused: tuple[OptimizerSpec | None, dict[str, float] | None] = (None, None)
         own = [ix.cpu().numpy().astype(np.int64) for ix in datamodule.client_indices]
         self.plans = BatchPlans(schedule, seed, own)  # keyed batches, planned ahead by the engine
@@ -248,13 +254,19 @@ class LocalTrainer:
                 on the batch of clients (cuBLAS, cuDNN, grouped convolutions under vmap) then give
                 a client the same bits whatever its neighbours.
         """
+        if self.clip is not None and self.clip.hook:
+            raise NotVectorizable(
+                f"{type(self.module).__name__} overrides configure_gradient_clipping, which must see one client's "
+                "gradients at a time"
+            )
         gidx, gsz, steps = self.schedules(batch)
         self.program()
         if self._program is None and self._blocker:  # vmap would train it inexactly
             raise NotVectorizable(self._blocker)
         chain, spec = self._chain, self.spec_at(batch.round)
         if chain is not None and self._fused[0] is not spec:  # asked every round: once per spec
-            self._fused = (spec, fused_sgd_lr(spec))
+            # Clipping needs every gradient before any update: no update fused into backward.
+            self._fused = (spec, fused_sgd_lr(spec) if self.clip is None else None)
         fused = self._fused[1] if chain is not None else None
         m_all = len(batch.clients)
         b = self.schedule.batch_size
@@ -344,6 +356,8 @@ class LocalTrainer:
                 grads = mixed_sizes_split(
                     self, leaves, buffers, cbuf, gidx_t[s], sizes, keys_all[s], loss_sum, logs
                 )
+            if self.clip is not None:
+                clip_rows([grads[k] for k in leaves], self.clip)
             for k, v in leaves.items():
                 v.grad = grads[k]
             opt.step()

@@ -28,6 +28,7 @@ __all__ = [
     "round_lr",
     "scheduler_frequency",
     "shrink_optimizer",
+    "state_kept",
 ]
 
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
@@ -240,3 +241,23 @@ def shrink_optimizer(
                 k: (v[:m] if isinstance(v, Tensor) and v.ndim > 0 and v.shape == o.shape else v)
                 for k, v in state.items()
             }
+
+
+def state_kept(spec: OptimizerSpec) -> list[str]:
+    """The per-parameter state the client optimizer keeps between steps (``exp_avg``, ``momentum_buffer``...).
+
+    Found by one step of each parameter group's settings on a small tensor (torch's optimizers
+    create their state on the first step); [] for plain SGD, whose rounds lose nothing to the
+    fresh optimizer each round starts with.
+    """
+    names: set[str] = set()
+    for _, hp in spec.groups:
+        p = torch.nn.Parameter(torch.ones(2))
+        p.grad = torch.ones(2)
+        try:
+            opt = spec.cls([{"params": [p], **hp}])
+            opt.step()
+        except (RuntimeError, ValueError, TypeError):  # settings for another device (capturable): unknown
+            continue
+        names.update(k for k, v in opt.state[p].items() if isinstance(v, Tensor) and k != "step")
+    return sorted(names)

@@ -89,6 +89,7 @@ def path_signature(local: LocalTrainer, batch: ClientBatch) -> str:
             f"neighbours {'probed' if local.neighbour_run is not None else 'free'}",
             f"torch {torch.__version__}",
             f"cpus {os.cpu_count()}",
+            *([f"clip {local.clip.algorithm} {local.clip.val}"] if local.clip is not None else []),
         ]
     )
 

@@ -9,7 +9,7 @@ from _tiny import small_synthetic
 
 from fedshard_lightning import FederatedTrainer
 from fedshard_lightning.callbacks import ProgressBar
-from fedshard_lightning.callbacks.progress import format_seconds
+from fedshard_lightning.callbacks.progress import format_rate, format_seconds
 from fedshard_lightning.models import MLP
 from fedshard_lightning.unlearning import FedShard
 
@@ -31,7 +31,7 @@ def test_plain_stage_lines_with_eta_and_the_request_line(run_root, capsys):
     out = capsys.readouterr().out
     lines = [x for x in out.splitlines() if x.startswith("fit: stage")]
     assert len(lines) == 3, out
-    pattern = r"fit: stage (\d)/3 done · 2 round\(s\) · (\d) group\(s\), 8 clients · \d+ client-steps/s · .*ETA (\S+)"
+    pattern = r"fit: stage (\d)/3 done · 2 round\(s\) · (\d) group\(s\), 8 clients · [\d.<]+ client-steps/s · .*ETA (\S+)"
     found = [re.match(pattern, x) for x in lines]
     assert all(found), lines
     assert [m.group(1) for m in found] == ["1", "2", "3"] and [m.group(2) for m in found] == ["4", "2", "1"]
@@ -60,7 +60,7 @@ def test_plain_round_lines_within_a_long_stage(run_root, capsys, every, want):
     out = capsys.readouterr().out
     rounds = [x for x in out.splitlines() if x.startswith("fit: stage") and " done " not in x]
     assert len(rounds) == 3 * want, out
-    pattern = r"fit: stage (\d)/3 · round (\d)/3 · \d group\(s\), 8 clients · \d+ client-steps/s · ETA \S+ · elapsed \S+$"
+    pattern = r"fit: stage (\d)/3 · round (\d)/3 · \d group\(s\), 8 clients · [\d.<]+ client-steps/s · ETA \S+ · elapsed \S+$"
     found = [re.match(pattern, x) for x in rounds]
     assert all(found), rounds
     assert [(m.group(1), m.group(2)) for m in found] == [(st, r) for st in "123" for r in "12"][: len(found)]
@@ -78,6 +78,19 @@ def test_eta_is_none_before_anything_ran_and_counts_remaining_stages():
     assert abs(bar.eta() - 20.0) < 1.0
 
 
+def test_format_rate_keeps_slow_rates_visible():
+    assert [format_rate(x) for x in (0.0, 0.004, 0.4, 0.043, 3.46, 9.96, 12.4, 900.2)] == [
+        "0",
+        "<0.01",
+        "0.4",
+        "0.043",
+        "3.5",
+        "10",
+        "12",
+        "900",
+    ]
+
+
 def test_format_seconds():
     assert [format_seconds(x) for x in (0.4, 42, 185, 7620)] == ["0s", "42s", "3m05s", "2h07m"]
 
@@ -85,7 +98,7 @@ def test_format_seconds():
 def _stage_lines(out, task):
     pattern = (
         rf"{task}: stage (\d)/3 · (\d) shard\(s\), (\d) clients · (\d+)/(\d+) client-steps · "
-        r"\d+ client-steps/s · elapsed \S+ · ETA (\S+)"
+        r"[\d.<]+ client-steps/s · elapsed \S+ · ETA (\S+)"
     )
     lines = [x for x in out.splitlines() if x.startswith(f"{task}: stage")]
     return lines, [re.fullmatch(pattern, x) for x in lines]
