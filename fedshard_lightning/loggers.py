@@ -365,10 +365,15 @@ def log_wandb_report(
     images: dict[str, Path],
     summary: dict[str, Any],
     headline: Sequence[str] = (),
+    histograms: dict[str, Sequence[float]] | None = None,
+    commit: bool = True,
 ) -> None:
     """A report into every W&B run among ``loggers`` (nothing when W&B is off).
 
-    Tables and images are logged as ``PREFIX/NAME``; every number or string of ``summary`` goes
+    ``commit=False`` leaves the tables, images and histograms to the next ``log`` call's history
+    row, so that a report logged just before a row of scalars keeps one W&B row per CSV row.
+
+    Tables, images and histograms are logged as ``PREFIX/NAME``; every number or string of ``summary`` goes
     to the run summary as ``PREFIX/KEY``, and the ``headline`` keys also without the prefix, so
     that the W&B runs table can sort runs by them.
     """
@@ -387,7 +392,10 @@ def log_wandb_report(
             for name, (cols, rows) in tables.items()
         }
         payload.update({f"{prefix}/{name}": wandb.Image(str(path)) for name, path in images.items()})
-        run.log(payload)
+        payload.update(
+            {f"{prefix}/{name}": wandb.Histogram(list(values)) for name, values in (histograms or {}).items()}
+        )
+        run.log(payload, commit=commit)
         for key in headline:
             if summary.get(key) is not None:
                 run.summary[key] = summary[key]
