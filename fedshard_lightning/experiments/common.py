@@ -208,6 +208,7 @@ def fit_method(setting: ExperimentSetting, algorithm: Algorithm) -> MethodRun:
         vectorize=setting.vectorize,
         eval_every_n_rounds=setting.eval_every_n_rounds,
         enable_progress_bar=False,
+        enable_fairness=False,  # the experiment measures fairness itself, with the shared alphas
         seed=setting.seed,
     )
     metrics = trainer.fit(seeded_model(setting.model, setting.seed), setting.datamodule)
