@@ -94,3 +94,10 @@ def test_quiet_config_runs_without_progress_and_skips_the_replay_in_one_line(tmp
     ]
     row = _fairness_row(run)
     assert row["fairness/M_p_skipped"] == "1.0" and float(row["fairness/M_e_steps"]) >= 0
+
+
+def test_checkpoint_config_runs_and_keeps_the_models_of_two_versions(tmp_path):
+    run, _ = _fit(tmp_path, "checkpoint.yaml")
+    versions = sorted(p.name for p in (run / "cache").iterdir() if (p / "manifest.json").is_file())
+    pruned = json.loads((run / "cache" / "PRUNED").read_text())["versions"]
+    assert len(versions) == 3 and sorted(pruned) == versions[:-2]  # 8 clients: 3 stages

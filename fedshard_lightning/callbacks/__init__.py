@@ -5,8 +5,8 @@ says which ones every trainer adds. The design card's four:
 
 * :class:`StageMergeLogger`: every merge of FedShard (groups, alphas, rounds) to ``merges.jsonl``
   and ``merge/...`` scalars, so the shard tree grows in the loggers.
-* FLCache checkpointing: the loop's own commits (atomic, one per stage and per request), not a
-  callback; ``cache gc`` and ``cache verify`` maintain it.
+* :class:`FLCacheCheckpoint`: the loop commits FLCache itself (atomic, one version per stage and
+  per request); this callback verifies each commit and keeps the models of the newest versions.
 * :class:`UnlearningReplay`: every client unlearned alone after ``fit``: measured costs, M_e, M_p,
   membership inference, plots, ``RUN/fairness/``.
 * :class:`FairnessLogger`: M_e from the predicted costs and M_p within a replay budget, after
@@ -15,6 +15,7 @@ says which ones every trainer adds. The design card's four:
 
 from fedshard_lightning.callbacks.base import FederatedCallback
 from fedshard_lightning.callbacks.fairness_logger import FairnessLogger
+from fedshard_lightning.callbacks.flcache_checkpoint import FLCacheCheckpoint
 from fedshard_lightning.callbacks.metrics_logger import MetricsLogger
 from fedshard_lightning.callbacks.progress import ProgressBar
 from fedshard_lightning.callbacks.replay import MembershipAudit, UnlearningReplay
@@ -22,6 +23,7 @@ from fedshard_lightning.callbacks.stage_merge_logger import StageMergeLogger
 from fedshard_lightning.callbacks.task_progress import TaskProgress, TaskProgressCallback
 
 __all__ = [
+    "FLCacheCheckpoint",
     "FairnessLogger",
     "FederatedCallback",
     "MembershipAudit",
