@@ -80,7 +80,11 @@ def describe_run(run: Path) -> dict[str, Any]:
     elif damaged:
         state = "damaged (cache verify --ckpt_path RUN names the file)"
     elif not manifest:
-        state = "interrupted (no stage committed)" if (run / "cache").is_dir() else "-"
+        state = (
+            "interrupted (no stage committed: fit --ckpt_path RUN trains it from the start)"
+            if (run / "cache").is_dir()
+            else "-"
+        )
     elif manifest.get("complete"):
         state = "complete (in use: unlearn, audit or test running)" if busy else "complete"
     else:

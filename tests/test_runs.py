@@ -45,6 +45,7 @@ def test_runs_lists_complete_interrupted_and_unlearned_runs(run_root, capsys):
     assert done["accuracy"] == f"{report['test_accuracy_after']:.4f}"
     assert cut_row["state"].startswith("interrupted") and "1/3" in cut_row["state"]
     assert empty["state"].startswith("interrupted") and empty["method"] == "-"
+    assert "fit --ckpt_path RUN" in empty["state"], "what to do with it"
 
     main(["runs", "--root", str(run_root)])
     out = capsys.readouterr().out
@@ -102,8 +103,11 @@ def test_runs_lists_a_damaged_cache_as_damaged_not_as_never_committed(run_root, 
     assert [r["state"] for r in rows] == [
         "complete",
         *["damaged (cache verify --ckpt_path RUN names the file)"] * 3,
-        "interrupted (no stage committed)",
+        "interrupted (no stage committed: fit --ckpt_path RUN trains it from the start)",
     ]
+    main(["fit", *TINY, "--trainer.enable_progress_bar", "false", "--ckpt_path", str(run_root / "version_4")])
+    assert list_runs(run_root)[-1]["state"] == "complete", "as the listing says"
+    capsys.readouterr()
     for i, how in enumerate(hows, start=1):  # and verify does name it, in one line
         with pytest.raises(SystemExit) as exit_info:
             main(["cache", "verify", "--ckpt_path", str(run_root / f"version_{i}")])
