@@ -95,6 +95,14 @@ def test_plain_digits_fit_logs_m_e_and_m_p_to_wandb_equal_to_numpy_of_its_per_cl
     assert logged["fairness/M_p_skipped"] == 0.0
     assert logged["fairness/M_p"] == pytest.approx(np.mean([c["M_p_request"] for c in clients]), rel=1e-12)
     assert logged["fairness/M_p"] > 2.0  # f(x, y) >= 2 for every client, so is the mean
+    # Readable without a .wandb parser: the config and the summary beside the offline run.
+    (folder,) = (run / "wandb_files").rglob("offline-run-*")
+    plain = json.loads((folder / "summary.json").read_text())
+    assert (
+        plain["fairness/M_e_steps"] == logged["fairness/M_e_steps"]
+        and plain["fairness/M_p"] == logged["fairness/M_p"]
+    )
+    assert json.loads((folder / "config.json").read_text())["method"] == "fedshard"
     hist = [h for h in history if "fairness/Z_steps/_type" in h][-1]
     assert hist["fairness/Z_steps/_type"] == "histogram" and sum(hist["fairness/Z_steps/values"]) == 32
     # The CSV holds the same scalars.
