@@ -15,6 +15,7 @@ def quiet_trainer(algorithm: Any, root: str | None = None, **kw: Any) -> Federat
     """A trainer without progress bar or per-round evaluation, in a temporary root."""
     kw.setdefault("enable_progress_bar", False)
     kw.setdefault("eval_every_n_rounds", 0)
+    kw.setdefault("enable_fairness", False)  # a benchmark times training, not the fairness replay after it
     return FederatedTrainer(
         algorithm=algorithm, default_root_dir=root or tempfile.mkdtemp(prefix="bench-"), **kw
     )

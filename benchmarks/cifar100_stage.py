@@ -86,6 +86,7 @@ def main() -> None:
         vectorize=args.vectorize,
         tf32=tf32_setting(args.tf32),
         callbacks=[timer],
+        enable_fairness=False,  # times the stages only
     )
     dev = torch.cuda.get_device_name() if args.accelerator == "cuda" else "cpu"
     print(

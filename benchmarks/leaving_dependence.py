@@ -46,7 +46,11 @@ def _fit(dm) -> list[list[tuple[list[int], int]]]:
     torch.manual_seed(0)
     alg = FedShard(merge_rate=2, merge="a1", rounds="a2", t0=2, t1=8, batch_size=10, local_epochs=2)
     tr = FederatedTrainer(
-        algorithm=alg, default_root_dir=tempfile.mkdtemp(), enable_progress_bar=False, eval_every_n_rounds=0
+        algorithm=alg,
+        default_root_dir=tempfile.mkdtemp(),
+        enable_progress_bar=False,
+        eval_every_n_rounds=0,
+        enable_fairness=False,
     )
     with silence():
         tr.fit(MLP(hidden=(64, 64), lr=0.1), dm)

@@ -309,6 +309,7 @@ def run_ours(path: str, quiet: bool) -> tuple[RunResult, dict[str, Tensor]]:
             default_root_dir=root,
             seed=spec.seed,
             callbacks=[Stamp()],
+            enable_fairness=False,  # the peers compute no fairness metrics after training
             **kw,
         )
         t0 = time.perf_counter()

@@ -1,7 +1,8 @@
 """``python -m fedshard_lightning``: a LightningCLI over :class:`FederatedTrainer`.
 
 Subcommands are the trainer's methods (``fit``, ``test``, ``unlearn``, ``audit``), plus
-``cache gc`` / ``cache verify`` (:mod:`fedshard_lightning.cache_command`, no config needed); configs use
+``cache gc`` / ``cache verify`` (:mod:`fedshard_lightning.cache_command`, no config needed) and
+``compare`` (:mod:`fedshard_lightning.experiments.compare`); configs use
 ``class_path``/``init_args`` for the model, the data, the algorithm and callbacks. Every error a
 user can cause is printed as one line, ``error: ...``, with exit status 2 and no traceback; an
 environment fault (disk full, read-only, ``ulimit -f``, no permission) is one line too, with
@@ -31,9 +32,12 @@ from fedshard_lightning.trainer import FederatedTrainer
 
 __all__ = ["FederatedCLI", "PlainHelpParser", "main"]
 
-# `runs` and `cache` are dispatched before the CLI parser (they need no config), so its help says so.
+# `runs`, `cache` and `compare` are dispatched before the CLI parser (they are not trainer
+# methods), so its help names them.
 _DESCRIPTION = (
-    "FedShard federated (un)learning. Two more commands need no config: "
+    "FedShard federated (un)learning. Three more commands: "
+    "'compare --config FILE' trains several methods at one budget and tabulates their unlearning "
+    "costs and fairness (the paper's Table 2); "
     "'runs --root DIR' lists the runs under DIR; 'cache gc|verify --ckpt_path RUN' prunes or "
     "checks a run's FLCache (each has its own --help)."
 )
@@ -379,6 +383,11 @@ def main(args: list[str] | None = None) -> None:
     terminate_as_interrupt()
     with one_line_errors():
         if no_config_main(argv):
+            return
+        if argv[:1] == ["compare"]:
+            from fedshard_lightning.experiments.compare import main as compare_main
+
+            compare_main(argv[1:], prog="python -m fedshard_lightning compare")
             return
         _check_config_files(argv)
         FederatedCLI(args=args)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import json
 import os
 import secrets
 import warnings
@@ -351,11 +352,31 @@ def finish_loggers(
         import wandb as wandb_module
 
         if wandb_module.run is not None:
+            write_offline_readable(wandb_module.run)
             wandb_module.finish()
         if run_dir is not None and step is not None and (run_dir / "wandb.json").is_file():
             state = wandb_state(run_dir)
             state["step"] = max(int(state.get("step", 0)), step)
             write_wandb_state(run_dir, state)
+
+
+def write_offline_readable(run: Any) -> None:
+    """An offline W&B run's config and summary as ``config.json`` and ``summary.json`` beside its ``.wandb`` file.
+
+    The ``.wandb`` file is a log of protobuf records that only ``wandb sync`` (or a parser) reads;
+    these two files let a person or a script see what the run holds before it is uploaded. Media
+    in the summary (a table, a histogram) appear as W&B's own descriptions of them.
+    """
+    if not getattr(run, "offline", False):
+        return
+
+    def plain(value: Any) -> Any:
+        return dict(value) if hasattr(value, "keys") else str(value)
+
+    folder = Path(run.dir).parent
+    summary = {key: run.summary[key] for key in run.summary.keys()}  # noqa: SIM118 (Summary has keys(), no iteration)
+    for name, payload in (("config.json", dict(run.config)), ("summary.json", summary)):
+        (folder / name).write_text(json.dumps(payload, indent=2, default=plain) + "\n")
 
 
 def log_wandb_report(
@@ -365,10 +386,15 @@ def log_wandb_report(
     images: dict[str, Path],
     summary: dict[str, Any],
     headline: Sequence[str] = (),
+    histograms: dict[str, Sequence[float]] | None = None,
+    commit: bool = True,
 ) -> None:
     """A report into every W&B run among ``loggers`` (nothing when W&B is off).
 
-    Tables and images are logged as ``PREFIX/NAME``; every number or string of ``summary`` goes
+    ``commit=False`` leaves the tables, images and histograms to the next ``log`` call's history
+    row, so that a report logged just before a row of scalars keeps one W&B row per CSV row.
+
+    Tables, images and histograms are logged as ``PREFIX/NAME``; every number or string of ``summary`` goes
     to the run summary as ``PREFIX/KEY``, and the ``headline`` keys also without the prefix, so
     that the W&B runs table can sort runs by them.
     """
@@ -387,7 +413,10 @@ def log_wandb_report(
             for name, (cols, rows) in tables.items()
         }
         payload.update({f"{prefix}/{name}": wandb.Image(str(path)) for name, path in images.items()})
-        run.log(payload)
+        payload.update(
+            {f"{prefix}/{name}": wandb.Histogram(list(values)) for name, values in (histograms or {}).items()}
+        )
+        run.log(payload, commit=commit)
         for key in headline:
             if summary.get(key) is not None:
                 run.summary[key] = summary[key]

@@ -174,7 +174,9 @@ class TrainerEvents(LoopEvents):
         """Commit the algorithm's state now (complete: as the algorithm says, unless told)."""
         t = self.trainer
         complete = t.algorithm.is_complete() if complete is None else complete
-        t.store.commit(t.algorithm, label, complete, t.algorithm.engine.mode)
+        version = t.store.commit(t.algorithm, label, complete, t.algorithm.engine.mode)
+        if version is not None:  # the writing process
+            call_hook(t.fabric, "on_commit", t, version=version, label=label)
         # At the first commit: a fit killed later is resumed in the environment it started in.
         if t.is_global_zero and t.run_dir is not None and not (t.run_dir / numerics.FILE).exists():
             numerics.record(t.run_dir, t)

@@ -192,6 +192,13 @@ def apply_request(trainer: Any, clients: Any) -> dict[str, Any]:
     store.requests.append(report)
     if trainer.is_global_zero:
         report["cache_version"] = store.commit(alg, f"unlearn-{number:04d}", True, alg.engine.mode)
+        call_hook(
+            trainer.fabric,
+            "on_commit",
+            trainer,
+            version=report["cache_version"],
+            label=f"unlearn-{number:04d}",
+        )
         try:
             _write_request_files(trainer, journal, number, ids, result.params, report)
         except OSError as e:  # the request is in the cache: its one line must not ask to redo it

@@ -2,7 +2,8 @@
 
 A user with many runs needs to find the one to unlearn from or compare without opening files:
 method, dataset, K, accuracy, requests applied and whether the fit completed or was interrupted
-(and can be resumed). Everything is read from what a run leaves behind (the current FLCache
+(and can be resumed), or is running now (a command holds its lock). Runs are found at any depth
+under the root (``compare`` nests its methods' runs). Everything is read from what a run leaves behind (the current FLCache
 manifest, ``config.yaml``, ``metrics.json``); nothing imports torch, so listing many runs takes a
 fraction of a second. A run whose ``cache/CURRENT`` exists but whose manifest cannot be read is
 listed as damaged, not as a run that never committed: resuming it would not work, verifying it tells
@@ -12,6 +13,7 @@ which file is at fault.
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,7 @@ from fedshard_lightning.cache_io import read_json_object
 from fedshard_lightning.cache_read import CacheReader
 from fedshard_lightning.errors import CacheError, ConfigError
 
-__all__ = ["describe_run", "format_runs", "list_runs", "runs_main"]
+__all__ = ["describe_run", "find_runs", "format_runs", "list_runs", "runs_main"]
 
 COLUMNS = ("run", "method", "dataset", "K", "accuracy", "requests", "state")
 
@@ -40,6 +42,25 @@ def _dataset(run: Path) -> str:
     return class_path.rsplit(".", 1)[-1].removesuffix("DataModule").lower() or "-"
 
 
+def _locked(run: Path) -> bool:
+    """True while a command holds the run's lock (``run_dir.run_lock``: ``flock`` on the folder)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: commands take no lock either
+        return False
+    try:
+        fd = os.open(run, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing releases a lock taken here
+    return False
+
+
 def describe_run(run: Path) -> dict[str, Any]:
     """The listing's row of one run directory (missing facts are ``-``)."""
     cache = CacheReader(run / "cache")
@@ -53,12 +74,19 @@ def describe_run(run: Path) -> dict[str, Any]:
     metrics = _read_json(run / "metrics.json")
     requests = manifest.get("requests") or []
     accuracy = requests[-1].get("test_accuracy_after") if requests else metrics.get("test_accuracy")
-    if damaged:
+    busy = _locked(run)
+    if busy and not manifest.get("complete"):
+        state = "running"
+    elif damaged:
         state = "damaged (cache verify --ckpt_path RUN names the file)"
     elif not manifest:
-        state = "interrupted (no stage committed)" if (run / "cache").is_dir() else "-"
+        state = (
+            "interrupted (no stage committed: fit --ckpt_path RUN trains it from the start)"
+            if (run / "cache").is_dir()
+            else "-"
+        )
     elif manifest.get("complete"):
-        state = "complete"
+        state = "complete (in use: unlearn, audit or test running)" if busy else "complete"
     else:
         state = "interrupted"
         done = manifest.get("stages_done")  # FLCache format 2; format 1 listed the stages
@@ -77,18 +105,34 @@ def describe_run(run: Path) -> dict[str, Any]:
     }
 
 
+def find_runs(root: Path) -> list[Path]:
+    """Every run directory (a folder with ``cache/``) at any depth under ``root``; none inside another run."""
+    found: list[Path] = []
+    for folder, subdirs, _ in os.walk(root):
+        here = Path(folder)
+        if here != root and "cache" in subdirs:
+            found.append(here)
+            subdirs.clear()  # a run's own folders hold no runs
+        else:
+            subdirs.sort()
+    return found
+
+
+def _sort_key(run: Path, root: Path) -> list[tuple[str, int, str]]:
+    """By path, folder by folder, ``version_10`` after ``version_9``."""
+    key = []
+    for name in run.relative_to(root).parts:
+        stem, _, num = name.rpartition("_")
+        key.append((stem, int(num), "") if num.isdigit() else (name, -1, name))
+    return key
+
+
 def list_runs(root: str | Path) -> list[dict[str, Any]]:
-    """Rows of every run directory directly under ``root`` (a folder with ``cache/``), by name."""
+    """Rows of every run directory under ``root``, at any depth (compare's runs too), by path."""
     root = Path(root)
     if not root.is_dir():
         return []
-    runs = [p for p in root.iterdir() if p.is_dir() and (p / "cache").is_dir()]
-
-    def key(p: Path) -> tuple[str, int, str]:
-        stem, _, num = p.name.rpartition("_")
-        return (stem, int(num), "") if num.isdigit() else (p.name, -1, p.name)
-
-    return [describe_run(p) for p in sorted(runs, key=key)]
+    return [describe_run(p) for p in sorted(find_runs(root), key=lambda p: _sort_key(p, root))]
 
 
 def format_runs(rows: list[dict[str, Any]]) -> str:

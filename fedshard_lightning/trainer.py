@@ -64,7 +64,7 @@ class FederatedTrainer:
         strategy: Fabric strategy.
         precision: Fabric precision, e.g. ``32-true`` or ``64-true`` (float64, for exactness checks);
             ``*-mixed`` is refused (the engine does not autocast).
-        callbacks: Extra federated callbacks; progress and metrics logging are always included
+        callbacks: Extra federated callbacks; progress, metrics and fairness logging are included
             (FLCache commits are the trainer's own, not a callback).
         loggers: Extra Fabric loggers; a CSV logger into the run directory is always included.
         wandb: Also log to Weights & Biases, offline unless ``wandb_mode`` says otherwise.
@@ -81,6 +81,9 @@ class FederatedTrainer:
         memory_budget_mb: Memory the stacked clients of a chunk may use (estimate).
         eval_every_n_rounds: Test-set evaluation period in rounds (0: only at the end).
         enable_progress_bar: Show a progress bar on terminals.
+        enable_fairness: Log M_e and M_p after every fit and unlearn
+            (:class:`~fedshard_lightning.callbacks.FairnessLogger`; list one in ``callbacks`` to
+            configure it).
         num_threads: Intra-op CPU threads during this trainer's calls (``None``: torch's
             default); the caller's count is back after each call. Recorded in config.yaml and,
             with the device and torch version, in ``RUN/numerics.json``; unlearn and audit reuse
@@ -132,6 +135,7 @@ class FederatedTrainer:
         memory_budget_mb: float = 2048.0,
         eval_every_n_rounds: int = 1,
         enable_progress_bar: bool = True,
+        enable_fairness: bool = True,
         num_threads: int | None = None,
         seed: int = 0,
         batch_invariant: bool = True,
@@ -174,6 +178,7 @@ class FederatedTrainer:
         self.max_chunk_clients = None if max_chunk_clients is None else int(max_chunk_clients)
         self.memory_budget_mb = memory_budget_mb
         self.eval_every_n_rounds, self.enable_progress_bar = eval_every_n_rounds, enable_progress_bar
+        self.enable_fairness = bool(enable_fairness)
         self.num_threads = None if num_threads is None else int(num_threads)
         self.seed = int(seed)
         self.batch_invariant, self.compile = bool(batch_invariant), bool(compile)
@@ -244,7 +249,9 @@ class FederatedTrainer:
         self.module, self.datamodule = model, datamodule
         # Fabric takes loggers and callbacks at construction, but the run directory (where the
         # loggers write) is only known after launch on multi-process runs: attach them now.
-        self._callbacks = default_callbacks(self.user_callbacks, self.enable_progress_bar)
+        self._callbacks = default_callbacks(
+            self.user_callbacks, self.enable_progress_bar, self.enable_fairness
+        )
         self.fabric._callbacks = self._callbacks
         resume = command == "fit" and (run_dir / "cache" / "CURRENT").exists()
         self.fabric._loggers = (

@@ -73,8 +73,24 @@ def test_ddp_two_processes_equals_single_process(tmp_path: Path):
     ra = json.loads((out["single"] / "unlearn_report.json").read_text())
     rb = json.loads((out["ddp"] / "unlearn_report.json").read_text())
     assert ra["client_steps"] == rb["client_steps"] == rb["predicted_client_steps"]
+    # The fairness evaluation (probe, predicted costs, the M_p replay's retraining split across ranks) agrees.
+    fair = {name: _fairness_rows(run) for name, run in out.items()}
+    assert len(fair["single"]) == len(fair["ddp"]) == 2, "after fit and after the request"
+    for one, two in zip(fair["single"], fair["ddp"]):
+        assert one["fairness/num_clients"] == two["fairness/num_clients"]
+        for key in ("fairness/M_e_steps", "fairness/M_p", "fairness/Z_steps_mean"):
+            assert math.isclose(float(one[key]), float(two[key]), rel_tol=1e-5), (key, one[key], two[key])
     versions = sorted(p.name for p in (out["ddp"] / "cache").iterdir() if p.is_dir())
     assert len(versions) == len(set(versions)) and all(not v.startswith(".") for v in versions)
+
+
+def _fairness_rows(run: Path) -> list[dict[str, str]]:
+    """The fairness rows of the fit's and the requests' CSV files, in that order."""
+    rows = []
+    for path in [run / "logs" / "metrics.csv", *sorted(run.glob("logs/unlearn-*/metrics.csv"))]:
+        with open(path, newline="") as f:
+            rows += [r for r in csv.DictReader(f) if r.get("fairness/M_e_steps")]
+    return rows
 
 
 def _round_rows(run: Path) -> list[dict[str, str]]:

@@ -45,6 +45,7 @@ def test_runs_lists_complete_interrupted_and_unlearned_runs(run_root, capsys):
     assert done["accuracy"] == f"{report['test_accuracy_after']:.4f}"
     assert cut_row["state"].startswith("interrupted") and "1/3" in cut_row["state"]
     assert empty["state"].startswith("interrupted") and empty["method"] == "-"
+    assert "fit --ckpt_path RUN" in empty["state"], "what to do with it"
 
     main(["runs", "--root", str(run_root)])
     out = capsys.readouterr().out
@@ -102,8 +103,11 @@ def test_runs_lists_a_damaged_cache_as_damaged_not_as_never_committed(run_root, 
     assert [r["state"] for r in rows] == [
         "complete",
         *["damaged (cache verify --ckpt_path RUN names the file)"] * 3,
-        "interrupted (no stage committed)",
+        "interrupted (no stage committed: fit --ckpt_path RUN trains it from the start)",
     ]
+    main(["fit", *TINY, "--trainer.enable_progress_bar", "false", "--ckpt_path", str(run_root / "version_4")])
+    assert list_runs(run_root)[-1]["state"] == "complete", "as the listing says"
+    capsys.readouterr()
     for i, how in enumerate(hows, start=1):  # and verify does name it, in one line
         with pytest.raises(SystemExit) as exit_info:
             main(["cache", "verify", "--ckpt_path", str(run_root / f"version_{i}")])
@@ -136,3 +140,33 @@ def test_runs_as_a_command_imports_neither_torch_nor_lightning(run_root, capsys)
     *listing, last = out.stdout.splitlines()
     assert json.loads(last) == {"code": 0, "heavy": []}, out.stderr
     assert "\n".join(listing) + "\n" == expected
+
+
+def test_runs_finds_runs_at_any_depth_and_shows_a_locked_unfinished_fit_as_running(run_root, capsys):
+    """Reference: folders made by hand, and a lock taken with ``fcntl.flock`` as a running command holds it."""
+    import fcntl
+
+    for rel in (
+        "version_0",
+        "exp/a/version_2",
+        "exp/a/version_10",
+        "compare/runs/fedshard-s0",
+        "notes/empty",
+    ):
+        (run_root / rel).mkdir(parents=True)
+    for rel in ("version_0", "exp/a/version_2", "exp/a/version_10", "compare/runs/fedshard-s0"):
+        (run_root / rel / "cache").mkdir()
+    (run_root / "version_0" / "cache" / "nested_run" / "cache").mkdir(parents=True)  # inside a run: not a run
+    names = [str(Path(r["run"]).relative_to(run_root)) for r in list_runs(run_root)]
+    assert names == ["compare/runs/fedshard-s0", "exp/a/version_2", "exp/a/version_10", "version_0"]
+
+    fd = os.open(run_root / "exp" / "a" / "version_2", os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fit before its first commit holds this
+    try:
+        states = {Path(r["run"]).name: r["state"] for r in list_runs(run_root)}
+    finally:
+        os.close(fd)
+    assert states["version_2"] == "running"
+    assert states["version_10"].startswith("interrupted")
+    assert Path(list_runs(run_root)[1]["run"]).name == "version_2"
+    assert list_runs(run_root)[1]["state"].startswith("interrupted"), "the lock is gone with its process"

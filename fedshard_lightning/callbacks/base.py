@@ -12,6 +12,8 @@ Hooks, in the order they fire during ``fit``:
 * ``on_stage_merge(trainer, stage, groups, alphas, rounds)``: FedShard's merge decision (A1) and
   round allocation (A2) for the new stage.
 * ``on_round_end(trainer, info, metrics)``: after each FedAvg round of a stage.
+* ``on_commit(trainer, version, label)``: the loop committed a new FLCache version (each stage,
+  and each ``unlearn`` request; first process only).
 * ``on_stage_end(trainer, stage, metrics)``: a stage is complete (the trainer has committed it to FLCache).
 * ``on_fit_end(trainer, metrics)``
 
@@ -42,6 +44,9 @@ class FederatedCallback:
 
     def on_round_end(self, trainer: Any, info: Any, metrics: dict[str, float]) -> None:
         """A FedAvg round finished; ``metrics`` holds what the trainer measured."""
+
+    def on_commit(self, trainer: Any, version: str, label: str) -> None:
+        """The loop committed FLCache ``version`` (labelled e.g. ``stage-0003``, ``unlearn-0001``)."""
 
     def on_stage_end(self, trainer: Any, stage: int, metrics: dict[str, float]) -> None:
         """A stage is complete."""

@@ -208,6 +208,7 @@ def fit_method(setting: ExperimentSetting, algorithm: Algorithm) -> MethodRun:
         vectorize=setting.vectorize,
         eval_every_n_rounds=setting.eval_every_n_rounds,
         enable_progress_bar=False,
+        enable_fairness=False,  # the experiment measures fairness itself, with the shared alphas
         seed=setting.seed,
     )
     metrics = trainer.fit(seeded_model(setting.model, setting.seed), setting.datamodule)
@@ -243,12 +244,13 @@ def write_json(path: Path, payload: dict[str, Any]) -> Path:
     return path
 
 
-def run_cli(function: Any, args: list[str] | None) -> Any:
+def run_cli(function: Any, args: list[str] | None, prog: str | None = None) -> Any:
     """Run an experiment function from the command line; bad input is one ``error:`` line, exit 2.
 
     Parse errors are handled by the parser; a :class:`~fedshard_lightning.errors.FedShardError`
     raised by the experiment or by a class of its config (a value out of range) would otherwise
-    end in a traceback.
+    end in a traceback. ``prog`` is the command as the user typed it (default:
+    ``python -m`` and the function's module).
     """
     import sys
 
@@ -260,7 +262,7 @@ def run_cli(function: Any, args: list[str] | None) -> Any:
     try:
         module = function.__module__  # "__main__" under python -m: its spec has the real name
         spec = getattr(sys.modules.get(module), "__spec__", None) if module == "__main__" else None
-        prog = f"python -m {spec.name if spec else module}"  # argparse would say compare.py
+        prog = prog or f"python -m {spec.name if spec else module}"  # argparse would say compare.py
         return CLI(function, args=args, as_positional=False, parser_class=PlainHelpParser, prog=prog)
     except Exception as e:
         # jsonargparse wraps an error raised while instantiating a class of the config (an

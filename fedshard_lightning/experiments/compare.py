@@ -19,7 +19,7 @@ Written to ``output_dir``: ``compare.md``, ``compare.csv`` (one row per method a
 ``compare.json``, ``compare.tex`` (:mod:`~fedshard_lightning.experiments.tables`) and
 ``cost_distribution.png`` (:mod:`~fedshard_lightning.experiments.plots`); with ``wandb``, a W&B table.
 
-    python -m fedshard_lightning.experiments.compare --config configs/compare/digits.yaml
+    python -m fedshard_lightning compare --config configs/compare/digits.yaml
 """
 
 from __future__ import annotations
@@ -333,9 +333,9 @@ def _log_wandb(
     run.finish()
 
 
-def main(args: list[str] | None = None) -> None:
-    """Command line: ``python -m fedshard_lightning.experiments.compare --help``."""
-    result = run_cli(compare, args)
+def main(args: list[str] | None = None, prog: str | None = None) -> None:
+    """Command line: ``python -m fedshard_lightning compare --help`` (or ``python -m fedshard_lightning.experiments.compare``)."""
+    result = run_cli(compare, args, prog)
     print((Path(result["output"]) / "compare.md").read_text())
 
 

@@ -63,3 +63,33 @@ def test_help_names_the_command_as_it_is_run(name):
         check=True,
     ).stdout
     assert out.startswith(f"usage: python -m fedshard_lightning.experiments.{name} ["), out[:200]
+
+
+def test_compare_is_a_subcommand_of_the_main_cli_listed_in_its_help(tmp_path):
+    from pathlib import Path
+
+    from _cli import cli
+
+    code, out, _ = cli(["--help"])
+    assert code == 0 and "'compare --config FILE'" in " ".join(out.split())
+    code, out, _ = cli(["compare", "--help"])
+    assert code == 0 and out.startswith("usage: python -m fedshard_lightning compare ["), out[:200]
+    config = str(Path(__file__).resolve().parents[2] / "configs" / "compare" / "digits.yaml")
+    code, out, _ = cli(["compare", "--config", config, "--print_config"])
+    assert code == 0
+    for name in ("FedShard", "FedAvg", "FATS", "FedEraser", "RapidRetrain", "FedRecover"):
+        assert f"fedshard_lightning.unlearning.{name}" in out
+    code, _, err = cli(["compare", "--config", config, "--num_leaving", "abc"])
+    assert code == 2 and err == "error: num_leaving: expected an int, got abc\n", err
+    # The shipped config runs (two of its methods, one seed, 16 clients: same options as the module).
+    two = (
+        '[{"class_path": "fedshard_lightning.unlearning.FedShard", "init_args": {"rounds": "fixed", '
+        '"fixed_rounds": 1, "batch_size": 10, "local_epochs": 2}}, {"class_path": '
+        '"fedshard_lightning.unlearning.FedAvg", "init_args": {"rounds": 2, "batch_size": 10, "local_epochs": 2}}]'
+    )
+    args = ["--output_dir", str(tmp_path), "--seeds", "[0]", "--num_leaving", "2", "--mia", "false"]
+    code, out, err = cli(
+        ["compare", "--config", config, *args, "--data.num_clients", "16", "--algorithms", two]
+    )
+    assert code == 0, err
+    assert (tmp_path / "compare.md").is_file() and "fedshard" in out and "fedavg" in out

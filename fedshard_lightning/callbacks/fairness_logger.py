@@ -1,0 +1,252 @@
+r"""Fairness of every run: M_e from the exact predicted unlearning costs, M_p when its replay fits a budget.
+
+FedShard paper section 5 (eq. 6 and 7), made precise by SPEC sections 4 and 8. At the end of
+``fit``, and again after every ``unlearn`` for the clients that remain, :class:`FairnessLogger`:
+
+* probes the client alphas: one round of every present client from the current model
+  (:func:`~fedshard_lightning.metrics.client_alpha.client_alphas`);
+* predicts ``Z_c``, the cost of unlearning client ``c`` alone, under every cost model in
+  :data:`COST_MODELS` (exact and free: a walk over the plans, nothing is trained), and logs
+  ``M_e`` of each (``fairness/M_e_steps``, ...) with the costs' mean, std, min and max;
+* replays every present client's single-client request with the pure ``what_if`` to measure
+  ``M_p`` (the mean over requests of ``M_p({c})``, as :class:`~fedshard_lightning.callbacks.UnlearningReplay`
+  reports it), but only when the replay's predicted client-steps fit ``replay_budget`` times the
+  fit's. The prediction is printed first; past the budget one line says so and
+  ``fairness/M_p_skipped`` is 1.
+
+Scalars go to every logger (CSV, W&B, TensorBoard) prefixed ``fairness/``; W&B also gets a table
+of the per-client costs (``fairness/clients``), a histogram of each cost model's ``Z_c``
+(``fairness/Z_<model>``) and the summary. Nothing of the run changes: the model, the cache and
+the request log are those the loop wrote.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fedshard_lightning.callbacks.base import FederatedCallback
+from fedshard_lightning.callbacks.task_progress import TaskProgress
+from fedshard_lightning.errors import ConfigError
+from fedshard_lightning.loggers import log_wandb_report
+from fedshard_lightning.metrics.client_alpha import client_alphas, per_client_accuracy
+from fedshard_lightning.metrics.fairness import efficiency_fairness, performance_fairness
+from fedshard_lightning.metrics.fairness_report import cost_stats
+
+__all__ = ["COST_MODELS", "FairnessLogger", "FairnessResult", "predicted_costs"]
+
+CostModel = Callable[[Any, Sequence[int]], float]
+
+COST_MODELS: dict[str, CostModel] = {
+    "steps": lambda algorithm, clients: float(algorithm.predict_cost(clients)),
+}
+"""Cost model name -> predicted cost of one request (``algorithm, clients``), exact before running.
+
+``steps``: client-steps, the sum over every retrained round of the participants' local steps
+(SPEC section 8). A cost model added here (the latency of SPEC section 8, once the algorithms
+predict it) is logged as ``fairness/M_e_<name>`` and gets its own table column and histogram.
+"""
+
+
+def predicted_costs(algorithm: Any, clients: Sequence[int]) -> dict[str, list[float]]:
+    """``Z_c`` of every client in ``clients`` leaving alone, under every cost model."""
+    return {name: [model(algorithm, [c]) for c in clients] for name, model in COST_MODELS.items()}
+
+
+@dataclass
+class FairnessResult:
+    """What one evaluation found, for the clients present at that point.
+
+    Attributes:
+        clients: The present clients, in order.
+        alphas: Their probed alphas.
+        costs: Cost model -> their predicted ``Z_c``.
+        m_e: Cost model -> M_e of those costs.
+        replay_client_steps: Predicted client-steps of replaying every single-client request.
+        budget_client_steps: Client-steps the replay was allowed.
+        m_p: Mean of the requests' M_p, or None when the replay was skipped.
+        m_p_request: Client -> M_p of the request that unlearns it alone (empty when skipped).
+    """
+
+    clients: list[int]
+    alphas: list[float]
+    costs: dict[str, list[float]]
+    m_e: dict[str, float]
+    replay_client_steps: float
+    budget_client_steps: float
+    m_p: float | None
+    m_p_request: dict[int, float]
+
+    @property
+    def m_p_skipped(self) -> bool:
+        """True when the replay's predicted cost exceeded the budget."""
+        return self.m_p is None
+
+    def scalars(self) -> dict[str, float]:
+        """The ``fairness/...`` scalars every logger receives."""
+        out: dict[str, float] = {"fairness/num_clients": float(len(self.clients))}
+        for name, values in self.costs.items():
+            out[f"fairness/M_e_{name}"] = self.m_e[name]
+            stats = cost_stats(values)
+            for stat in ("mean", "std", "min", "max"):
+                out[f"fairness/Z_{name}_{stat}"] = float(stats[stat])
+        out["fairness/alpha_abs_mean"] = sum(abs(a) for a in self.alphas) / len(self.alphas)
+        out["fairness/replay_client_steps"] = self.replay_client_steps
+        out["fairness/M_p_skipped"] = float(self.m_p_skipped)
+        if self.m_p is not None:
+            out["fairness/M_p"] = self.m_p
+        return out
+
+    def table(self, sizes: Sequence[int]) -> tuple[list[str], list[list[Any]]]:
+        """Per-client columns and rows: client, samples, alpha, one ``Z_<model>`` per cost model, ``M_p_request``."""
+        columns = ["client", "n_samples", "alpha", *(f"Z_{n}" for n in self.costs), "M_p_request"]
+        rows = [
+            [
+                c,
+                int(sizes[c]),
+                self.alphas[i],
+                *(values[i] for values in self.costs.values()),
+                self.m_p_request.get(c),
+            ]
+            for i, c in enumerate(self.clients)
+        ]
+        return columns, rows
+
+
+class FairnessLogger(FederatedCallback):
+    """Logs M_e (every run) and M_p (when its replay fits the budget) after ``fit`` and after every ``unlearn``.
+
+    On by default (``trainer.enable_fairness``); list one in ``trainer.callbacks`` to configure it.
+
+    Args:
+        replay_budget: Most client-steps the M_p replay may spend, as a multiple of the fit's
+            client-steps (FedShard on configs/digits.yaml needs 12.3); 0 never replays.
+        eps_alpha: Floor of ``|alpha_c|`` in M_e.
+        eps0: Offset of the M_p normalisation.
+        eps1: Added to the range of the M_p normalisation.
+    """
+
+    def __init__(
+        self, replay_budget: float = 16.0, eps_alpha: float = 1e-6, eps0: float = 0.01, eps1: float = 1e-12
+    ) -> None:
+        if not (
+            isinstance(replay_budget, (int, float)) and math.isfinite(replay_budget) and replay_budget >= 0
+        ):
+            raise ConfigError(f"FairnessLogger.replay_budget={replay_budget!r}: give a finite number >= 0")
+        for name, value in (("eps_alpha", eps_alpha), ("eps0", eps0), ("eps1", eps1)):
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ConfigError(f"FairnessLogger.{name}={value!r}: must be a positive number")
+        self.replay_budget = float(replay_budget)
+        self.eps_alpha, self.eps0, self.eps1 = float(eps_alpha), float(eps0), float(eps1)
+        self.result: FairnessResult | None = None
+
+    # -- hooks -----------------------------------------------------------------------------------
+    def on_fit_end(self, trainer: Any, metrics: dict[str, float]) -> None:
+        """Evaluate the fitted run; logged at the step of the ``final/`` row."""
+        self.result = self.evaluate(trainer)
+        self._log(trainer, trainer.log_step_start + len(trainer.history))
+
+    def on_unlearn_end(self, trainer: Any, report: dict[str, Any]) -> None:
+        """Evaluate the clients that remain; logged at the request's step."""
+        self.result = self.evaluate(trainer)
+        self._log(trainer, trainer.log_step_start)
+
+    # -- evaluation ------------------------------------------------------------------------------
+    def evaluate(self, trainer: Any) -> FairnessResult:
+        """Alphas, predicted costs, M_e and (within budget) M_p of the present clients.
+
+        Every process computes it (the replay's retraining is distributed like any other); only
+        the first one prints and logs.
+        """
+        alg = trainer.algorithm
+        clients = list(alg.active_clients)
+        reference = {n: v.detach().clone() for n, v in alg.current_params().items()}
+        alphas = (
+            client_alphas(alg, reference, clients).cpu() if len(clients) > 1 else torch.zeros(len(clients))
+        )
+        costs = predicted_costs(alg, clients)
+        m_e = {
+            name: float(
+                efficiency_fairness(torch.tensor(values, dtype=torch.float64), alphas, self.eps_alpha)
+            )
+            for name, values in costs.items()
+        }
+        replay = sum(costs["steps"])
+        budget = self.replay_budget * float(alg.total_client_steps)
+        m_p, per_request = None, {}
+        if len(clients) < 2:
+            self._say(trainer, "fairness: M_p skipped: it needs two clients or more")
+        elif replay > budget:
+            self._say(
+                trainer,
+                f"fairness: M_p skipped: replaying {len(clients)} single-client requests would take "
+                f"{replay:,.0f} client-steps ({_times(replay, alg)} the fit's), over "
+                f"FairnessLogger.replay_budget={self.replay_budget:g}",
+            )
+        else:
+            self._say(
+                trainer,
+                f"fairness: M_p replays {len(clients)} single-client requests: {replay:,.0f} client-steps "
+                f"predicted ({_times(replay, alg)} the fit's; FairnessLogger.replay_budget={self.replay_budget:g})",
+            )
+            per_request = self._replay(trainer, clients, alphas, replay)
+            m_p = sum(per_request.values()) / len(per_request)
+        return FairnessResult(clients, alphas.tolist(), costs, m_e, replay, budget, m_p, per_request)
+
+    def _replay(self, trainer: Any, clients: list[int], alphas: Tensor, total: float) -> dict[int, float]:
+        """M_p of every single-client request among ``clients``, from the current state (nothing is committed)."""
+        alg, module, dm = trainer.algorithm, trainer.module, trainer.datamodule
+        state = alg.state_dict()
+        before = per_client_accuracy(module, alg.current_params(), dm)[clients]
+        shown = trainer.is_global_zero and getattr(trainer, "enable_progress_bar", False)
+        progress = TaskProgress("fairness", total) if shown else None
+        out: dict[int, float] = {}
+        for i, c in enumerate(clients):
+            _, result = alg.what_if(state, [c])
+            after = per_client_accuracy(module, result.params, dm)[clients]
+            leaving = torch.zeros(len(clients), dtype=torch.bool)
+            leaving[i] = True
+            drop = torch.nan_to_num((before - after).double(), nan=0.0)
+            out[c] = float(performance_fairness(drop, alphas, leaving, self.eps0, self.eps1))
+            if progress is not None:
+                progress.update(result.client_steps, f"request {i + 1}/{len(clients)} (client {c})")
+        if progress is not None:
+            progress.close()
+        return out
+
+    # -- output ----------------------------------------------------------------------------------
+    @staticmethod
+    def _say(trainer: Any, line: str) -> None:
+        if trainer.is_global_zero:
+            print(line, flush=True)
+
+    def _log(self, trainer: Any, step: int) -> None:
+        result = self.result
+        if result is None or not trainer.is_global_zero:
+            return
+        scalars = result.scalars()
+        summary: dict[str, Any] = {k.removeprefix("fairness/"): v for k, v in scalars.items()}
+        if result.m_p_skipped:
+            summary["M_p"] = "skipped"
+        # The table and histograms join the scalars' W&B row: one W&B row per CSV row, as every logged row.
+        log_wandb_report(
+            trainer.fabric.loggers,
+            "fairness",
+            {"clients": result.table(trainer.client_sizes)},
+            {},
+            summary,
+            histograms={f"Z_{name}": values for name, values in result.costs.items()},
+            commit=False,
+        )
+        trainer.fabric.log_dict(scalars, step=step)
+
+
+def _times(client_steps: float, alg: Any) -> str:
+    """``12.3x``: client-steps as a multiple of the fit's."""
+    fit = float(alg.total_client_steps)
+    return f"{client_steps / fit:.1f}x" if fit > 0 else "n/a"
