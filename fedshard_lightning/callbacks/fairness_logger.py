@@ -11,8 +11,10 @@ FedShard paper section 5 (eq. 6 and 7), made precise by SPEC sections 4 and 8. A
 * replays every present client's single-client request with the pure ``what_if`` to measure
   ``M_p`` (the mean over requests of ``M_p({c})``, as :class:`~fedshard_lightning.callbacks.UnlearningReplay`
   reports it), but only when the replay's predicted client-steps fit ``replay_budget`` times the
-  fit's. The prediction is printed first; past the budget one line says so and
-  ``fairness/M_p_skipped`` is 1.
+  fit's and, at the fit's measured client-steps per second, ``replay_budget_s`` seconds. The
+  prediction is printed first; past a budget one line says so and ``fairness/M_p_skipped`` is 1.
+  So the digits quickstart gets M_p in a few seconds, and a CIFAR-100 fit of ten minutes on a GPU
+  does not spend two hours more on it unless asked.
 
 Scalars go to every logger (CSV, W&B, TensorBoard) prefixed ``fairness/``; W&B also gets a table
 of the per-client costs (``fairness/clients``), a histogram of each cost model's ``Z_c``
@@ -22,9 +24,11 @@ the request log are those the loop wrote.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -126,13 +130,20 @@ class FairnessLogger(FederatedCallback):
     Args:
         replay_budget: Most client-steps the M_p replay may spend, as a multiple of the fit's
             client-steps (FedShard on configs/digits.yaml needs 12.3); 0 never replays.
+        replay_budget_s: Most seconds the replay may take, predicted at the fit's measured
+            client-steps per second; ``None``: no limit in seconds.
         eps_alpha: Floor of ``|alpha_c|`` in M_e.
         eps0: Offset of the M_p normalisation.
         eps1: Added to the range of the M_p normalisation.
     """
 
     def __init__(
-        self, replay_budget: float = 16.0, eps_alpha: float = 1e-6, eps0: float = 0.01, eps1: float = 1e-12
+        self,
+        replay_budget: float = 16.0,
+        replay_budget_s: float | None = 120.0,
+        eps_alpha: float = 1e-6,
+        eps0: float = 0.01,
+        eps1: float = 1e-12,
     ) -> None:
         if not (
             isinstance(replay_budget, (int, float)) and math.isfinite(replay_budget) and replay_budget >= 0
@@ -141,18 +152,37 @@ class FairnessLogger(FederatedCallback):
         for name, value in (("eps_alpha", eps_alpha), ("eps0", eps0), ("eps1", eps1)):
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ConfigError(f"FairnessLogger.{name}={value!r}: must be a positive number")
+        if replay_budget_s is not None and not (
+            isinstance(replay_budget_s, (int, float))
+            and math.isfinite(replay_budget_s)
+            and replay_budget_s >= 0
+        ):
+            raise ConfigError(
+                f"FairnessLogger.replay_budget_s={replay_budget_s!r}: give a finite number >= 0, or null"
+            )
         self.replay_budget = float(replay_budget)
+        self.replay_budget_s = None if replay_budget_s is None else float(replay_budget_s)
+        self._rate: float | None = None  # the fit's client-steps per second
         self.eps_alpha, self.eps0, self.eps1 = float(eps_alpha), float(eps0), float(eps1)
         self.result: FairnessResult | None = None
 
     # -- hooks -----------------------------------------------------------------------------------
     def on_fit_end(self, trainer: Any, metrics: dict[str, float]) -> None:
         """Evaluate the fitted run; logged at the step of the ``final/`` row."""
+        steps, seconds = metrics.get("client_steps"), metrics.get("seconds")
+        if steps and seconds:
+            self._rate = float(steps) / float(seconds)
         self.result = self.evaluate(trainer)
         self._log(trainer, trainer.log_step_start + len(trainer.history))
 
     def on_unlearn_end(self, trainer: Any, report: dict[str, Any]) -> None:
         """Evaluate the clients that remain; logged at the request's step."""
+        if self._rate is None:  # the fit ran in another process: its speed is in RUN/metrics.json
+            try:
+                fit = json.loads((Path(trainer.run_dir) / "metrics.json").read_text())
+                self._rate = float(fit["client_steps"]) / float(fit["seconds"])
+            except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+                self._rate = None
         self.result = self.evaluate(trainer)
         self._log(trainer, trainer.log_step_start)
 
@@ -187,6 +217,13 @@ class FairnessLogger(FederatedCallback):
                 f"fairness: M_p skipped: replaying {len(clients)} single-client requests would take "
                 f"{replay:,.0f} client-steps ({_times(replay, alg)} the fit's), over "
                 f"FairnessLogger.replay_budget={self.replay_budget:g}",
+            )
+        elif self.replay_budget_s is not None and self._rate and replay / self._rate > self.replay_budget_s:
+            self._say(
+                trainer,
+                f"fairness: M_p skipped: replaying {len(clients)} single-client requests would take "
+                f"about {replay / self._rate:,.0f} s at the fit's {self._rate:,.1f} client-steps/s, over "
+                f"FairnessLogger.replay_budget_s={self.replay_budget_s:g} (raise it to measure M_p)",
             )
         else:
             self._say(

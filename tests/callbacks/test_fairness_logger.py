@@ -193,3 +193,13 @@ def test_bad_budget_is_one_line_naming_the_field(tmp_path):
         ]
     )
     assert code == 2 and err.count("\n") == 1 and "FairnessLogger.replay_budget=-1" in err, err
+
+
+def test_a_replay_over_the_seconds_budget_is_skipped_in_one_line(run_root, capsys):
+    fairness = FairnessLogger(replay_budget_s=0)  # any replay takes more than 0 s at the fit's speed
+    trainer = _trainer(run_root, callbacks=[fairness])
+    trainer.fit(MLP(hidden=(8,), lr=0.1), small_synthetic())
+    out = capsys.readouterr().out
+    skipped = [line for line in out.splitlines() if line.startswith("fairness:")]
+    assert len(skipped) == 1 and "M_p skipped" in skipped[0] and "replay_budget_s=0" in skipped[0], out
+    assert fairness.result.m_p is None and fairness.result.m_e["steps"] > 0
