@@ -188,6 +188,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    ap.add_argument(
+        "--stacked-only",
+        action="store_true",
+        help="time the stacked engine alone (no loop, no auto), with the peak CUDA memory",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -217,6 +222,8 @@ def main() -> None:
         for g in grid
         if (not args.workloads or g[0] in args.workloads) and (not args.clients or g[1] in args.clients)
     ]
+    if args.workloads and args.clients:  # both named: exactly their product, at B = 10
+        grid = [(name, k, 10) for name in args.workloads for k in args.clients]
     dev = f", device {torch.cuda.get_device_name()}" if args.device.startswith("cuda") else ""
     print(
         f"torch {torch.__version__}, threads {torch.get_num_threads()}{dev}, medians of {args.repeats}, "
@@ -232,6 +239,16 @@ def main() -> None:
         model, dm = workload(name, k, args.device, tf32_setting(args.tf32))
         rounds = args.rounds if "mlp" in name or "2nn" in name else 1
         kw = dict(device=args.device, budget_mb=args.memory_budget_mb)
+        if args.stacked_only:
+            cuda = args.device.startswith("cuda")
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            t_stack, n, _, kernel = time_mode(model, dm, "always", b, rounds, args.repeats, **kw)
+            peak = f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB peak" if cuda else ""
+            print(
+                f"{name:<14} {k:>5} {b:>4} {'-':>11} {n / t_stack:>14.1f} {'-':>7} {'-':>11}  {kernel} {peak}"
+            )
+            continue
         t_loop, n, _, _ = time_mode(model, dm, "never", b, rounds, args.repeats, **kw)
         t_stack, _, _, kernel = time_mode(model, dm, "always", b, rounds, args.repeats, **kw)
         _, _, picked, _ = time_mode(model, dm, "auto", b, 1, 1, **kw)
