@@ -19,6 +19,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
+import shutil
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
@@ -46,8 +48,13 @@ __all__ = [
 ]
 
 
-def new_run_dir(root_dir: str, run_name: str | None) -> Path:
-    """A new folder under the root, never an existing one; ``cache/`` inside marks it as a run."""
+def new_run_dir(root_dir: str, run_name: str | None, config_yaml: str | None = None) -> Path:
+    """A new folder under the root, never an existing one; ``cache/`` inside marks it as a run.
+
+    The CLI's resolved config (``config_yaml``) is written at once, before any data is read: a fit
+    killed later is resumed with its own settings, and a folder without it (killed in between) is
+    refused by a resume rather than trained with the package defaults.
+    """
     root = Path(root_dir)
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -88,7 +95,13 @@ def new_run_dir(root_dir: str, run_name: str | None) -> Path:
             raise ConfigError(
                 f"trainer.default_root_dir={str(root)!r}: cannot create {path} ({e.strerror})"
             ) from None
-        (path / "cache").mkdir()  # a fit killed before its first commit can still be resumed
+        try:
+            (path / "cache").mkdir()
+            if config_yaml is not None:
+                atomic_write_bytes(path / "config.yaml", config_yaml.encode())
+        except BaseException:  # disk full, read-only: leave no folder that looks like a run
+            shutil.rmtree(path, ignore_errors=True)
+            raise
         return path
     raise ConfigError(f"trainer.default_root_dir={str(root)!r}: no free version_N folder name")
 
@@ -106,6 +119,12 @@ def existing_run_dir(ckpt_path: str | None, command: str) -> Path:
             f"{cache} is a symbolic link; a run directory's cache must be a real folder (remove it)"
         )
     if command == "fit" and not _resumable(path):
+        if _stopped_before_settings(path):
+            raise CacheError(
+                f"ckpt_path={ckpt_path!r} holds no config.yaml and no committed version: its fit stopped "
+                "before it recorded its settings, so there is nothing to resume (a resume would train other "
+                f"settings); remove the folder (rm -r {shlex.quote(str(path))}) and run fit again without --ckpt_path"
+            )
         raise CacheError(
             f"ckpt_path={ckpt_path!r} is not a run directory that fit created (config.yaml or "
             "cache/FINGERPRINT and cache/ expected); start a new run without --ckpt_path"
@@ -118,17 +137,27 @@ def existing_run_dir(ckpt_path: str | None, command: str) -> Path:
 
 
 def _resumable(path: Path) -> bool:
-    """A folder that fit created: its cache folder, and the config or fingerprint that fit records first.
+    """A folder that fit created and recorded its settings in: the config or fingerprint, or a commit.
 
-    A fit killed before it recorded either left nothing but an empty cache folder (and maybe logs).
+    Without any of them a resume cannot know the run's settings; it would train the defaults.
     """
     cache = path / "cache"
-    if not cache.is_dir():
-        return False
     marks = [path / "config.yaml", cache / "FINGERPRINT", cache / "CURRENT"]
-    if any(m.is_file() for m in marks):
-        return True
-    return not any(cache.iterdir()) and all(p.name in ("cache", "logs") for p in path.iterdir())
+    return cache.is_dir() and not cache.is_symlink() and any(m.is_file() for m in marks)
+
+
+def _stopped_before_settings(path: Path) -> bool:
+    """Whether a folder holds only what a fit leaves before it records its settings.
+
+    That is its ``cache/`` and ``logs/`` folders and the temporary files of a config or fingerprint
+    write that was cut short; any other file means the folder is not (only) such a leftover.
+    """
+    cache = path / "cache"
+    if not cache.is_dir() or cache.is_symlink():
+        return False
+    if not all(p.name in ("cache", "logs") or p.name.startswith(".config.yaml.tmp-") for p in path.iterdir()):
+        return False
+    return all(p.name.startswith(".FINGERPRINT.tmp-") for p in cache.iterdir())
 
 
 @contextlib.contextmanager

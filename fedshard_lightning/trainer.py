@@ -288,7 +288,11 @@ class FederatedTrainer:
         if resume:
             run_dir = existing_run_dir(ckpt_path, "fit")
         else:
-            made = str(new_run_dir(self.default_root_dir, self.run_name)) if self.is_global_zero else None
+            made = (
+                str(new_run_dir(self.default_root_dir, self.run_name, self.config_yaml))
+                if self.is_global_zero
+                else None
+            )
             run_dir = Path(self.fabric.broadcast(made, src=0))
         try:
             with run_lock(run_dir):  # one process trains a run: a second resume stops in one line

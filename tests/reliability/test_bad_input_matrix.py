@@ -184,6 +184,20 @@ def _only_model(run: Path, _: Path) -> None:
             shutil.rmtree(p) if p.is_dir() else p.unlink()
 
 
+def _nothing_recorded(*cache_files: str) -> Callable[[Path, Path], None]:
+    """What a fit killed before it recorded its settings leaves: ``cache/`` (with cut-short writes), ``logs/``."""
+
+    def damage(run: Path, _: Path) -> None:
+        for p in list(run.iterdir()):
+            if p.name != "logs":
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+        (run / "cache").mkdir()
+        for name in cache_files:
+            (run / "cache" / name).write_text('{"finger')
+
+    return damage
+
+
 def _old_version(run: Path) -> Path:
     return _manifest_path(run, _cache(run).versions()[0])
 
@@ -309,6 +323,14 @@ CASES: dict[str, Case] = {
     "resume_precommit_other_seed": Case(on("fit", "--seed_everything", "7"), "seed", _before_first_commit),
     "resume_precommit_other_lr": Case(on("fit", "--model.lr", "0.5"), "lr", _before_first_commit),
     "resume_fingerprint_damaged": Case(on("fit"), "FINGERPRINT", _damaged_fingerprint),
+    # -- fit --ckpt_path on a folder whose fit recorded no settings: refused, never trained with defaults
+    "resume_nothing_recorded": Case(bare("fit", target=lambda r, c: r), "rm -r", _nothing_recorded()),
+    "resume_nothing_recorded_no_flags": Case(
+        lambda r, c: ["fit", "--ckpt_path", str(r)], "no config.yaml", _nothing_recorded()
+    ),
+    "resume_fingerprint_tmp_only": Case(
+        bare("fit", target=lambda r, c: r), "rm -r", _nothing_recorded(".FINGERPRINT.tmp-999999999")
+    ),
     # -- symbolic links planted in the run
     "journal_symlink": Case(U, "journal.jsonl", _symlink(lambda r: r / "unlearning" / "journal.jsonl")),
     "unlearning_dir_symlink": Case(U, "unlearning", _symlink(lambda r: r / "unlearning", target_is_dir=True)),
