@@ -22,6 +22,7 @@ import lightning as L
 from jsonargparse import ArgumentParser
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
+from fedshard_lightning.config_code import TRUST_FLAG, check_run_config_code
 from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.errors import ConfigError, FedShardError
 from fedshard_lightning.no_config import no_config_main, one_line_errors
@@ -35,7 +36,10 @@ __all__ = ["FederatedCLI", "PlainHelpParser", "main"]
 _DESCRIPTION = (
     "FedShard federated (un)learning. Two more commands need no config: "
     "'runs --root DIR' lists the runs under DIR; 'cache gc|verify --ckpt_path RUN' prunes or "
-    "checks a run's FLCache (each has its own --help)."
+    "checks a run's FLCache (each has its own --help). A config is code: it imports what its "
+    "class_path entries name. With --ckpt_path RUN the run's own config.yaml is read, and a class_path "
+    "whose module is not from an installed package (or lies in the run folder) is refused unless "
+    f"{TRUST_FLAG} is given."
 )
 
 DEFAULTS = {
@@ -91,8 +95,11 @@ def _check_config_files(argv: list[str]) -> None:
             check_config_file(Path(p), f"--config {p}", "fix the file")
 
 
-def check_config_file(path: Path, name: str, fix: str) -> None:
-    """Refuse a config file that is not UTF-8, not YAML, empty or not a mapping, in one line naming it."""
+def check_config_file(path: Path, name: str, fix: str) -> dict[str, Any]:
+    """Refuse a config file that is not UTF-8, not YAML, empty or not a mapping, in one line naming it.
+
+    Returns its settings.
+    """
     import yaml
 
     try:
@@ -105,6 +112,7 @@ def check_config_file(path: Path, name: str, fix: str) -> None:
         raise ConfigError(f"{name}: the file is empty; {fix}")
     if not isinstance(data, dict):
         raise ConfigError(f"{name}: expected a mapping of settings, got {type(data).__name__}; {fix}")
+    return data
 
 
 _RST_ROLE = re.compile(r":(?:class|meth|func|mod|attr|obj|data|exc):`~?([^`]+)`")
@@ -134,8 +142,12 @@ def with_run_config(argv: list[str]) -> list[str]:
     """``test``/``unlearn``/``audit`` (and a resuming ``fit``) with ``--ckpt_path RUN`` read ``RUN/config.yaml``.
 
     The run's resolved config goes first, so any ``--config`` or flag the user gives still
-    overrides it; a run without a config.yaml (Python API runs) is left as it is.
+    overrides it; a run without a config.yaml (Python API runs) is left as it is. A config is code:
+    one naming a module from outside the installed packages is refused unless ``--trust_run_config``
+    is given (:mod:`fedshard_lightning.config_code`); that flag is taken off the command line here.
     """
+    trusted = TRUST_FLAG in argv
+    argv = [a for a in argv if a != TRUST_FLAG]
     if not argv or argv[0] not in ("fit", "test", "unlearn", "audit"):
         return argv
     ckpt = _option(argv, "--ckpt_path")
@@ -145,9 +157,10 @@ def with_run_config(argv: list[str]) -> list[str]:
     config = (run.parent if run.is_file() else run) / "config.yaml"
     if not config.is_file():
         return argv
-    check_config_file(
+    data = check_config_file(
         config, str(config), "restore it from a backup, or delete it and pass the run's settings"
     )
+    check_run_config_code(config, data, trusted)
     return [argv[0], "--config", str(config), *argv[1:], *_one_process(argv, config)]
 
 
