@@ -19,6 +19,7 @@ from pathlib import Path
 
 from fedshard_lightning.cache import FLCache, _flock
 from fedshard_lightning.errors import CacheError, ConfigError
+from fedshard_lightning.request_history import check_history
 
 __all__ = ["cache_main"]
 
@@ -69,6 +70,7 @@ def cache_main(argv: list[str]) -> None:
         "wait for it to finish, then run this again"
     )
     with _flock(run, blocking=False, busy=busy):
+        check_history(run, cache)  # a rolled-back cache is neither collected nor called intact
         if args.command == "gc":
             if args.keep < 1:
                 raise ConfigError(f"--keep={args.keep}: keep at least the newest version (an integer >= 1)")

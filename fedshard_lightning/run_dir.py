@@ -239,18 +239,22 @@ class Journal:
 
     def committed(self) -> set[int]:
         """Request numbers with a ``committed`` line (lines torn by a crash are skipped)."""
-        done: set[int] = set()
+        return set(self.committed_entries())
+
+    def committed_entries(self) -> dict[int, dict[str, Any]]:
+        """The ``committed`` lines by request number (lines torn by a crash are skipped)."""
+        done: dict[int, dict[str, Any]] = {}
         if self.path.is_file():
             for line in self.path.read_bytes().decode("utf-8", errors="replace").splitlines():
                 try:
                     entry = json.loads(line)
-                except json.JSONDecodeError:
+                except (json.JSONDecodeError, RecursionError):
                     continue
                 if not isinstance(entry, dict) or entry.get("event") != "committed":
                     continue
                 request = entry.get("request")
                 if isinstance(request, int) and not isinstance(request, bool):  # a damaged line is skipped
-                    done.add(request)
+                    done[request] = entry
         return done
 
 

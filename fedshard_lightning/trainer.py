@@ -349,6 +349,7 @@ class FederatedTrainer:
         """
         with run_lock(existing_run_dir(ckpt_path, "unlearn")):
             self._load_run(model, datamodule, ckpt_path, "unlearn")
+            self.cache.verify()  # every blob of the version it builds on, not only those the load read
             return apply_request(self, clients)
 
     @keep_caller_state

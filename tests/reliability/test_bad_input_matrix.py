@@ -198,6 +198,36 @@ def _nothing_recorded(*cache_files: str) -> Callable[[Path, Path], None]:
     return damage
 
 
+def _roll_back(run: Path, _: Path) -> None:
+    """Point CURRENT at the version before the last request, with that manifest's correct checksum."""
+    parent = _cache(run).history()[1]
+    (run / "cache" / "CURRENT").write_text(
+        json.dumps({"version": parent, "manifest_sha256": sha256_file(_manifest_path(run, parent))})
+    )
+
+
+def _then(*damages: Callable[[Path, Path], None]) -> Callable[[Path, Path], None]:
+    def damage(run: Path, case: Path) -> None:
+        for d in damages:
+            d(run, case)
+
+    return damage
+
+
+def _forget_unlearned(run: Path, _: Path) -> None:
+    """Edit the current manifest's ``unlearned`` list from [2] to [] (CURRENT rehashed)."""
+    _rewrite_manifest(run, lambda raw: raw.update(unlearned=[]))
+
+
+def _forget_request_log(run: Path, _: Path) -> None:
+    _rewrite_manifest(run, lambda raw: raw.update(unlearned=[], requests={"blobs": []}))
+
+
+def _journal_other_clients(run: Path, _: Path) -> None:
+    path = run / "unlearning" / "journal.jsonl"
+    path.write_text(path.read_text().replace('"clients": [2]', '"clients": [5]'))
+
+
 def _old_version(run: Path) -> Path:
     return _manifest_path(run, _cache(run).versions()[0])
 
@@ -236,6 +266,7 @@ class Case:
     code: int = 2
     patch: tuple[str, int] | None = None  # (operation, errno): make that write fail
     tmpfs: bool = False
+    unlearned: bool = False  # start from the run after `unlearn --clients [2]`
     marks: list = field(default_factory=list)
 
 
@@ -331,6 +362,36 @@ CASES: dict[str, Case] = {
     "resume_fingerprint_tmp_only": Case(
         bare("fit", target=lambda r, c: r), "rm -r", _nothing_recorded(".FINGERPRINT.tmp-999999999")
     ),
+    # -- the request history and CURRENT disagree (a rollback): refused before anything is written
+    **{
+        f"rollback_{name}": Case(argv, "rolled back", _roll_back, unlearned=True)
+        for name, argv in {
+            "test": on("test"),
+            "unlearn": unlearn("[3]"),
+            "unlearn_same_client": U,
+            "audit": on("audit"),
+            "verify": cache_cmd("verify"),
+            "verify_all": cache_cmd("verify", "--all"),
+            "gc": cache_cmd("gc", "--keep", "1"),
+        }.items()
+    },
+    "rollback_without_journal": Case(
+        on("test"),
+        "report.json",
+        _then(_roll_back, _remove(lambda r: r / "unlearning" / "journal.jsonl")),
+        unlearned=True,
+    ),
+    "rollback_without_reports": Case(
+        on("test"),
+        "journal.jsonl",
+        _then(_roll_back, _remove(lambda r: r / "unlearning" / "0001")),
+        unlearned=True,
+    ),
+    "unlearned_list_edited_unlearn_again": Case(unlearn("[2]"), "edited", _forget_unlearned, unlearned=True),
+    "unlearned_list_edited_test": Case(on("test"), "edited", _forget_unlearned, unlearned=True),
+    "unlearned_list_edited_verify": Case(cache_cmd("verify"), "edited", _forget_unlearned, unlearned=True),
+    "request_log_emptied": Case(on("audit"), "request 1", _forget_request_log, unlearned=True),
+    "journal_names_other_clients": Case(on("test"), "[5]", _journal_other_clients, unlearned=True),
     # -- symbolic links planted in the run
     "journal_symlink": Case(U, "journal.jsonl", _symlink(lambda r: r / "unlearning" / "journal.jsonl")),
     "unlearning_dir_symlink": Case(U, "unlearning", _symlink(lambda r: r / "unlearning", target_is_dir=True)),
@@ -402,6 +463,9 @@ CASES: dict[str, Case] = {
     ),
     "flip_unread_blob_test": Case(
         on("test"), "client_sizes", _flip(lambda r: _cache(r).path_of("client_sizes.safetensors"))
+    ),
+    "flip_unread_blob_unlearn": Case(
+        U, "client_sizes", _flip(lambda r: _cache(r).path_of("client_sizes.safetensors"))
     ),
     "flip_theta0_verify": Case(cache_cmd("verify"), "corrupted", _flip(_theta0_blob)),
     # -- truncated files
@@ -522,7 +586,9 @@ def base(tmp_path_factory, reference_run) -> Path:
 
 
 @pytest.mark.parametrize("case", list(_params()))
-def test_matrix_case_is_one_line_and_changes_nothing(case: Case, base: Path, tmp_path: Path, monkeypatch):
+def test_matrix_case_is_one_line_and_changes_nothing(
+    case: Case, base: Path, tmp_path: Path, monkeypatch, request
+):
     case_dir = tmp_path / "case"
     mounted = False
     if case.tmpfs:
@@ -532,7 +598,7 @@ def test_matrix_case_is_one_line_and_changes_nothing(case: Case, base: Path, tmp
     else:
         case_dir.mkdir()
     try:
-        run = copy_run(base, case_dir / "run")
+        run = copy_run(request.getfixturevalue("unlearned_run") if case.unlearned else base, case_dir / "run")
         (case_dir / "runs").mkdir()
         if case.damage is not None:
             case.damage(run, case_dir)
