@@ -38,7 +38,9 @@ from fedshard_lightning.errors import CacheError, ConfigError, FedShardError
 from fedshard_lightning.os_faults import EXIT_CODES
 
 __all__ = [
+    "WRITTEN_FOLDERS",
     "Journal",
+    "check_real_folders",
     "existing_run_dir",
     "model_is_stale",
     "new_run_dir",
@@ -113,11 +115,8 @@ def existing_run_dir(ckpt_path: str | None, command: str) -> Path:
     path = Path(ckpt_path)
     if not path.is_dir():
         raise CacheError(f"ckpt_path={ckpt_path!r}: no such run directory")
+    check_real_folders(path)
     cache = path / "cache"
-    if cache.is_symlink():
-        raise CacheError(
-            f"{cache} is a symbolic link; a run directory's cache must be a real folder (remove it)"
-        )
     if command == "fit" and not _resumable(path):
         if _stopped_before_settings(path):
             raise CacheError(
@@ -134,6 +133,30 @@ def existing_run_dir(ckpt_path: str | None, command: str) -> Path:
             f"ckpt_path={ckpt_path!r} is not a fedshard_lightning run directory (no cache/ inside)"
         )
     return path
+
+
+#: The folders the commands write into, relative to the run directory.
+WRITTEN_FOLDERS = ("cache", "cache/blobs", "logs", "unlearning", "tensorboard", "wandb")
+
+
+def check_real_folders(run_dir: Path) -> None:
+    """Refuse a run whose written folders are symbolic links (or not folders), before anything is written.
+
+    A planted link would send the new blobs, logs or reports outside the run (or into another
+    one). Checked: :data:`WRITTEN_FOLDERS`, the blob fan-out folders and the entries of ``logs/``.
+    """
+    found = [run_dir / name for name in WRITTEN_FOLDERS]
+    for parent in (run_dir / "logs", run_dir / "cache" / "blobs"):
+        if parent.is_dir() and not parent.is_symlink():
+            found += [p for p in parent.iterdir() if p.is_symlink()]
+    for folder in found:
+        if folder.is_symlink():
+            raise CacheError(
+                f"{folder} is a symbolic link; the folders a run writes into must be real folders (writes "
+                "would land outside the run): replace it with a real folder"
+            )
+        if folder.exists() and not folder.is_dir():
+            raise CacheError(f"{folder} is not a folder; the run directory is damaged (remove or rename it)")
 
 
 def _resumable(path: Path) -> bool:

@@ -214,6 +214,13 @@ def _then(*damages: Callable[[Path, Path], None]) -> Callable[[Path, Path], None
     return damage
 
 
+def _touch(name: str) -> Callable[[Path, Path], None]:
+    def damage(run: Path, _: Path) -> None:
+        (run / name).write_text("a file where a folder belongs\n")
+
+    return damage
+
+
 def _forget_unlearned(run: Path, _: Path) -> None:
     """Edit the current manifest's ``unlearned`` list from [2] to [] (CURRENT rehashed)."""
     _rewrite_manifest(run, lambda raw: raw.update(unlearned=[]))
@@ -400,6 +407,32 @@ CASES: dict[str, Case] = {
         on("fit"), "symbolic link", _symlink(lambda r: r / "cache", target_is_dir=True)
     ),
     "blob_symlink": Case(on("audit"), "theta0", _symlink(_theta0_blob)),
+    **{
+        f"logs_symlink_{name}": Case(argv, "logs", _symlink(lambda r: r / "logs", target_is_dir=True))
+        for name, argv in {
+            "test": on("test"),
+            "unlearn": U,
+            "audit": on("audit"),
+            "test_model_file": on("test", target=lambda r: r / "model.safetensors"),
+        }.items()
+    },
+    "logs_entry_symlink_test": Case(
+        on("test"), "test-1", _symlink(lambda r: r / "logs" / "test-1", target_is_dir=True)
+    ),
+    "logs_is_a_file_test": Case(
+        on("test"), "not a folder", _then(_remove(lambda r: r / "logs"), _touch("logs"))
+    ),
+    "blobs_symlink_unlearn": Case(U, "blobs", _symlink(lambda r: r / "cache" / "blobs", target_is_dir=True)),
+    "blobs_symlink_gc": Case(
+        cache_cmd("gc", "--keep", "1"), "blobs", _symlink(lambda r: r / "cache" / "blobs", target_is_dir=True)
+    ),
+    "blobs_fanout_symlink_unlearn": Case(
+        U, "zz", _symlink(lambda r: r / "cache" / "blobs" / "zz", target_is_dir=True)
+    ),
+    "tensorboard_symlink_test": Case(
+        on("test"), "tensorboard", _symlink(lambda r: r / "tensorboard", target_is_dir=True)
+    ),
+    "wandb_symlink_audit": Case(on("audit"), "wandb", _symlink(lambda r: r / "wandb", target_is_dir=True)),
     "manifest_symlink": Case(U, "manifest.json", _symlink(_manifest_path)),
     "current_symlink": Case(U, "CURRENT", _symlink(lambda r: r / "cache" / "CURRENT")),
     # -- tensors swapped for others, checksums updated
@@ -488,6 +521,10 @@ CASES: dict[str, Case] = {
     "missing_theta0_blob": Case(U, "theta0", _remove(_theta0_blob)),
     "missing_stack_row_blob": Case(on("audit"), "stage_2", _remove(_first_row_blob)),
     "missing_current_manifest": Case(U, "CURRENT", _remove(_manifest_path)),
+    "missing_old_manifest_verify_all": Case(
+        cache_cmd("verify", "--all"), "0001-stage-1", _remove(_old_version)
+    ),
+    "missing_old_manifest_gc": Case(cache_cmd("gc", "--keep", "1"), "0001-stage-1", _remove(_old_version)),
     "missing_blobs_folder": Case(on("test"), "missing", _remove(lambda r: r / "cache" / "blobs")),
     "missing_structure_blob": Case(
         U, "structure_1", _remove(lambda r: _cache(r).path_of("structure_1.safetensors"))
