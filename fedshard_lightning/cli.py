@@ -22,6 +22,7 @@ import lightning as L
 from jsonargparse import ArgumentParser
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
+from fedshard_lightning.cli_inputs import check_command_line, check_numbers, join_negative_values
 from fedshard_lightning.config_code import TRUST_FLAG, check_run_config_code
 from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.errors import ConfigError, FedShardError
@@ -29,6 +30,7 @@ from fedshard_lightning.no_config import no_config_main, one_line_errors
 from fedshard_lightning.no_config import one_line as _one_line
 from fedshard_lightning.os_faults import ignore_sigxfsz, terminate_as_interrupt
 from fedshard_lightning.trainer import FederatedTrainer
+from fedshard_lightning.yaml_bounds import check_yaml
 
 __all__ = ["FederatedCLI", "PlainHelpParser", "main"]
 
@@ -103,7 +105,9 @@ def check_config_file(path: Path, name: str, fix: str) -> dict[str, Any]:
     import yaml
 
     try:
-        data = yaml.safe_load(path.read_bytes().decode("utf-8"))
+        text = path.read_bytes().decode("utf-8")
+        check_yaml(text, name, fix)  # before any expansion: aliases, depth, duplicate keys
+        data = yaml.safe_load(text)
     except UnicodeDecodeError as e:
         raise ConfigError(f"{name}: not UTF-8 text (byte {e.start}); {fix}") from None
     except yaml.YAMLError as e:
@@ -364,6 +368,8 @@ class FederatedCLI(LightningCLI):
 
     def instantiate_classes(self) -> None:
         """Instantiate; a validation error raised inside a class's ``__init__`` becomes a ConfigError."""
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        check_numbers(config.as_dict())  # lr 1e300 named here, not by a traceback in the optimizer
         try:
             super().instantiate_classes()
         except (ValueError, TypeError) as e:
@@ -393,5 +399,9 @@ def main(args: list[str] | None = None) -> None:
     with one_line_errors():
         if no_config_main(argv):
             return
+        argv = join_negative_values(argv)
+        check_command_line(argv)
         _check_config_files(argv)
-        FederatedCLI(args=args)
+        if args is None:
+            sys.argv[1:] = argv
+        FederatedCLI(args=None if args is None else argv)

@@ -21,6 +21,7 @@ import json
 import os
 import shlex
 import shutil
+import unicodedata
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
@@ -66,6 +67,11 @@ def new_run_dir(root_dir: str, run_name: str | None, config_yaml: str | None = N
         raise ConfigError(
             f"trainer.default_root_dir={str(root)!r}: cannot create it ({e.strerror})"
         ) from None
+    if run_name and any(unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp") for c in run_name):
+        raise ConfigError(
+            f"trainer.run_name={run_name!r}: must not hold control characters (a newline, a tab, ...): "
+            "they make a folder name that shells and listings misprint"
+        )
     if run_name and (
         Path(run_name).name != run_name or run_name in (".", "..") or os.sep in run_name or "/" in run_name
     ):

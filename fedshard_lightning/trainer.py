@@ -38,7 +38,13 @@ from fedshard_lightning.numerics import keep_caller_state
 from fedshard_lightning.requests import apply_request
 from fedshard_lightning.run_dir import existing_run_dir, new_run_dir, resume_hint, run_lock
 from fedshard_lightning.store import RunStore
-from fedshard_lightning.trainer_options import as_list, check_inputs, check_options, check_tolerance
+from fedshard_lightning.trainer_options import (
+    as_list,
+    check_devices,
+    check_inputs,
+    check_options,
+    check_tolerance,
+)
 from fedshard_lightning.unlearning.base import Algorithm
 from fedshard_lightning.unlearning.contract import check_implemented
 
@@ -127,6 +133,7 @@ class FederatedTrainer:
             seed,
             as_list(loggers),
         )
+        check_devices(accelerator, devices)
         self.algorithm = algorithm
         self.accelerator, self.devices, self.strategy, self.precision = (
             accelerator,

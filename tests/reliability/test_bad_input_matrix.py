@@ -302,6 +302,30 @@ def cache_cmd(*extra: str):
     return lambda run, _: ["cache", *extra, "--ckpt_path", str(run)]
 
 
+def fit_config(text: str, *extra: str):
+    """A new fit with ``--config`` a file of ``text`` (written into the case folder)."""
+
+    def argv(run: Path, case: Path) -> list[str]:
+        path = case / "bad.yaml"
+        path.write_text(text)
+        return ["fit", *TINY, "--config", str(path), "--trainer.default_root_dir", str(case / "runs"), *extra]
+
+    return argv
+
+
+def _run_config(text: str) -> Callable[[Path, Path], None]:
+    def damage(run: Path, _: Path) -> None:
+        path = run / "config.yaml"
+        path.write_text(path.read_text() + text)
+
+    return damage
+
+
+_LAUGHS = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 9)}]\n" for i in range(9)
+)
+_DEEP = "model:\n  init_args:\n    hidden: " + "[" * 5000 + "]" * 5000 + "\n"
+
 U = unlearn("[1]")
 STACK_ROW = "row 0 of stack stage_2"
 
@@ -324,6 +348,43 @@ CASES: dict[str, Case] = {
     "gc_keep_negative": Case(cache_cmd("gc", "--keep", "-2"), "--keep"),
     "num_clients_negative": Case(fit_new("--data.num_clients", "-4"), "num_clients"),
     "mixed_precision": Case(fit_new("--trainer.precision", "16-mixed"), "precision"),
+    # -- bounded inputs: YAML expansion, nesting, duplicate keys; devices, threads, numbers in range
+    "yaml_billion_laughs": Case(fit_config(_LAUGHS), "billion laughs"),
+    "yaml_nested_5000": Case(fit_config(_DEEP), "nested deeper"),
+    "yaml_nested_mappings": Case(
+        fit_config("model:\n" + "".join("  " * i + "k:\n" for i in range(1, 90))), "nested deeper"
+    ),
+    "yaml_duplicate_key": Case(fit_config("model:\n  init_args:\n    lr: 0.1\n    lr: 0.5\n"), "'lr'"),
+    "yaml_duplicate_top_key": Case(fit_config("seed_everything: 1\nseed_everything: 2\n"), "seed_everything"),
+    "yaml_recursive_alias": Case(fit_config("model: &m {init_args: {hidden: [*m]}}\n"), "alias"),
+    "run_config_duplicate_key": Case(U, "seed_everything", _run_config("seed_everything: 3\n")),
+    "run_config_billion_laughs": Case(U, "billion laughs", _run_config(_LAUGHS)),
+    "flag_value_nested_5000": Case(fit_new("--model.init_args.hidden", "[" * 5000 + "]" * 5000), "nested"),
+    "devices_1000": Case(fit_new("--trainer.devices", "1000"), "devices"),
+    "devices_1000_string": Case(fit_new("--trainer.devices", "'1000'"), "devices"),
+    "devices_1000_unlearn": Case(unlearn("[1]", "--trainer.devices", "1000"), "devices"),
+    "num_threads_100000": Case(fit_new("--trainer.num_threads", "100000"), "num_threads"),
+    "num_threads_100000_audit": Case(on("audit", "--trainer.num_threads", "100000"), "num_threads"),
+    "lr_1e300": Case(fit_new("--model.lr", "1e300"), "model.lr"),
+    "lr_1e400": Case(fit_new("--model.lr", "1e400"), "model.lr"),
+    "lr_minus_inf": Case(fit_new("--model.lr", "-inf"), "model.lr"),
+    "lr_minus_small": Case(fit_new("--model.lr", "-1e-3"), "model.lr"),
+    "lr_1e300_unlearn": Case(unlearn("[1]", "--model.lr", "1e300"), "model.lr"),
+    "momentum_2": Case(fit_new("--model.momentum", "2"), "model.momentum"),
+    "momentum_1": Case(fit_new("--model.momentum", "1"), "model.momentum"),
+    "weight_decay_1e39": Case(fit_new("--model.weight_decay", "1e39"), "weight_decay"),
+    "rho_1e300": Case(fit_new("--data.rho", "1e300"), "rho"),
+    "memory_budget_1e300": Case(fit_new("--trainer.memory_budget_mb", "1e300"), "memory_budget_mb"),
+    "clients_quoted_digit": Case(unlearn('["1"]'), "clients"),
+    "clients_arabic_indic_digit": Case(unlearn("[\u0661]"), "clients"),
+    "clients_arabic_indic_scalar": Case(unlearn("\u0661"), "clients"),
+    "clients_fullwidth_digit": Case(unlearn("[\uff11]"), "clients"),
+    "clients_hex": Case(unlearn("[0x1]"), "clients"),
+    "clients_anchor": Case(unlearn("[&a 1, *a]"), "clients"),
+    "run_name_newline": Case(fit_new("--trainer.run_name", "a\nb"), "run_name"),
+    "run_name_tab": Case(fit_new("--trainer.run_name", "a\tb"), "run_name"),
+    "run_name_escape": Case(fit_new("--trainer.run_name", "\x1b[31mred"), "run_name"),
+    "run_name_line_separator": Case(fit_new("--trainer.run_name", "a\u2028b"), "run_name"),
     # -- run_name escapes
     "run_name_parent": Case(fit_new("--trainer.run_name", "../escape"), "run_name"),
     "run_name_nested": Case(fit_new("--trainer.run_name", "a/b"), "run_name"),
@@ -661,5 +722,5 @@ def test_matrix_case_is_one_line_and_changes_nothing(
 
 def test_the_matrix_is_large_enough():
     """This matrix plus the older table of test_bad_inputs.py (checked with the same tree hash)."""
-    assert len(CASES) >= 90
-    assert len(CASES) + len(OLD_CASES) >= 100
+    assert len(CASES) >= 160
+    assert len(CASES) + len(OLD_CASES) >= 220
