@@ -142,7 +142,15 @@ def existing_run_dir(ckpt_path: str | None, command: str) -> Path:
 
 
 #: The folders the commands write into, relative to the run directory.
-WRITTEN_FOLDERS = ("cache", "cache/blobs", "logs", "unlearning", "tensorboard", "wandb")
+WRITTEN_FOLDERS = (
+    "cache",
+    "cache/blobs",
+    "logs",
+    "unlearning",
+    "tensorboard",
+    "wandb_files",
+    "wandb_files/wandb",
+)
 
 
 def check_real_folders(run_dir: Path) -> None:

@@ -493,7 +493,9 @@ CASES: dict[str, Case] = {
     "tensorboard_symlink_test": Case(
         on("test"), "tensorboard", _symlink(lambda r: r / "tensorboard", target_is_dir=True)
     ),
-    "wandb_symlink_audit": Case(on("audit"), "wandb", _symlink(lambda r: r / "wandb", target_is_dir=True)),
+    "wandb_symlink_audit": Case(
+        on("audit"), "wandb_files", _symlink(lambda r: r / "wandb_files", target_is_dir=True)
+    ),
     "manifest_symlink": Case(U, "manifest.json", _symlink(_manifest_path)),
     "current_symlink": Case(U, "CURRENT", _symlink(lambda r: r / "cache" / "CURRENT")),
     # -- tensors swapped for others, checksums updated
