@@ -52,6 +52,7 @@ from fedshard_lightning.cache_read import CacheReader
 from fedshard_lightning.cache_stacks import StackStore, StackWrite
 from fedshard_lightning.cache_verify import Verification
 from fedshard_lightning.errors import CacheError
+from fedshard_lightning.manifest_key import pointer
 
 __all__ = [
     "FLCache",
@@ -133,8 +134,7 @@ class FLCache(Committer, StackStore, Verification, CacheReader):
         self.manifest(version)
         with self.lock():
             atomic_write_json(
-                self.root / "CURRENT",
-                {"version": version, "manifest_sha256": sha256_file(self.root / version / "manifest.json")},
+                self.root / "CURRENT", pointer(version, sha256_file(self.root / version / "manifest.json"))
             )
 
     def next_name(self, label: str) -> str:

@@ -19,6 +19,8 @@ from pathlib import Path
 
 from fedshard_lightning.cache import FLCache, _flock
 from fedshard_lightning.errors import CacheError, ConfigError
+from fedshard_lightning.request_history import check_history
+from fedshard_lightning.run_dir import check_real_folders
 
 __all__ = ["cache_main"]
 
@@ -51,6 +53,7 @@ def _cache_of(ckpt_path: str) -> tuple[Path, FLCache]:
         raise CacheError(
             f"ckpt_path={ckpt_path!r} is not a fedshard_lightning run directory (no cache/ inside)"
         )
+    check_real_folders(run)  # gc removes blobs: never through a link
     cache = FLCache(run / "cache")
     if not cache.exists():
         raise CacheError(f"{run} has no committed FLCache (cache/CURRENT); nothing to do")
@@ -69,6 +72,7 @@ def cache_main(argv: list[str]) -> None:
         "wait for it to finish, then run this again"
     )
     with _flock(run, blocking=False, busy=busy):
+        check_history(run, cache)  # a rolled-back cache is neither collected nor called intact
         if args.command == "gc":
             if args.keep < 1:
                 raise ConfigError(f"--keep={args.keep}: keep at least the newest version (an integer >= 1)")

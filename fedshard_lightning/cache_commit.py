@@ -33,6 +33,7 @@ from fedshard_lightning.cache_io import (
 from fedshard_lightning.cache_read import FORMAT
 from fedshard_lightning.cache_stacks import StackWrite
 from fedshard_lightning.errors import CacheError
+from fedshard_lightning.manifest_key import pointer
 from fedshard_lightning.tensor_schema import schema_of
 
 __all__ = ["FORMAT", "Committer"]
@@ -174,7 +175,4 @@ class Committer:
         _fsync_dir(tmp)
         os.replace(tmp, final)
         _fsync_dir(self.root)
-        atomic_write_json(
-            self.root / "CURRENT",
-            {"version": name, "manifest_sha256": sha256_file(final / "manifest.json")},
-        )
+        atomic_write_json(self.root / "CURRENT", pointer(name, sha256_file(final / "manifest.json")))

@@ -16,6 +16,7 @@ from typing import Any
 from fedshard_lightning.cache_gc import LOG_FIELDS, Retention
 from fedshard_lightning.cache_io import _SHA256, BLOBS, _plain_name, sha256_file
 from fedshard_lightning.errors import CacheError
+from fedshard_lightning.manifest_key import check_pointer
 
 __all__ = ["FORMAT", "CacheReader"]
 
@@ -49,6 +50,7 @@ class CacheReader(Retention):
             )
         if sha256_file(self.root / version / "manifest.json") != ptr.get("manifest_sha256"):
             raise CacheError(f"{self.root}/{version}/manifest.json does not match its checksum in CURRENT")
+        check_pointer(ptr, self.root / "CURRENT")
         return version
 
     def versions(self) -> list[str]:

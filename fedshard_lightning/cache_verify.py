@@ -117,6 +117,11 @@ class Verification:
                     f"{self.root}/{version}/manifest.json names a missing parent version {parent!r}; "
                     "the cache is damaged"
                 )
+            if not (self.root / parent / "manifest.json").is_file():
+                raise CacheError(
+                    f"{self.root}/{parent}/manifest.json is missing (named as the parent of {version}); the cache "
+                    "is damaged: restore the run directory from a backup"
+                )
             if sha256_file(self.root / parent / "manifest.json") != digest:
                 raise CacheError(
                     f"{self.root}/{parent}/manifest.json does not match its checksum in {version}'s manifest: "

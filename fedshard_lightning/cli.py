@@ -23,12 +23,15 @@ import lightning as L
 from jsonargparse import ArgumentParser
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
+from fedshard_lightning.cli_inputs import check_command_line, check_numbers, join_negative_values
+from fedshard_lightning.config_code import TRUST_FLAG, check_run_config_code
 from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.errors import ConfigError, FedShardError
 from fedshard_lightning.no_config import no_config_main, one_line_errors
 from fedshard_lightning.no_config import one_line as _one_line
 from fedshard_lightning.os_faults import ignore_sigxfsz, terminate_as_interrupt
 from fedshard_lightning.trainer import FederatedTrainer
+from fedshard_lightning.yaml_bounds import check_yaml
 
 __all__ = ["FederatedCLI", "PlainHelpParser", "main"]
 
@@ -39,7 +42,10 @@ _DESCRIPTION = (
     "'compare --config FILE' trains several methods at one budget and tabulates their unlearning "
     "costs and fairness (the paper's Table 2); "
     "'runs --root DIR' lists the runs under DIR; 'cache gc|verify --ckpt_path RUN' prunes or "
-    "checks a run's FLCache (each has its own --help)."
+    "checks a run's FLCache (each has its own --help). A config is code: it imports what its "
+    "class_path entries name. With --ckpt_path RUN the run's own config.yaml is read, and a class_path "
+    "whose module is not from an installed package (or lies in the run folder) is refused unless "
+    f"{TRUST_FLAG} is given."
 )
 
 DEFAULTS = {
@@ -95,12 +101,17 @@ def _check_config_files(argv: list[str]) -> None:
             check_config_file(Path(p), f"--config {p}", "fix the file")
 
 
-def check_config_file(path: Path, name: str, fix: str) -> None:
-    """Refuse a config file that is not UTF-8, not YAML, empty or not a mapping, in one line naming it."""
+def check_config_file(path: Path, name: str, fix: str) -> dict[str, Any]:
+    """Refuse a config file that is not UTF-8, not YAML, empty or not a mapping, in one line naming it.
+
+    Returns its settings.
+    """
     import yaml
 
     try:
-        data = yaml.safe_load(path.read_bytes().decode("utf-8"))
+        text = path.read_bytes().decode("utf-8")
+        check_yaml(text, name, fix)  # before any expansion: aliases, depth, duplicate keys
+        data = yaml.safe_load(text)
     except UnicodeDecodeError as e:
         raise ConfigError(f"{name}: not UTF-8 text (byte {e.start}); {fix}") from None
     except yaml.YAMLError as e:
@@ -109,6 +120,7 @@ def check_config_file(path: Path, name: str, fix: str) -> None:
         raise ConfigError(f"{name}: the file is empty; {fix}")
     if not isinstance(data, dict):
         raise ConfigError(f"{name}: expected a mapping of settings, got {type(data).__name__}; {fix}")
+    return data
 
 
 _RST_ROLE = re.compile(r":(?:class|meth|func|mod|attr|obj|data|exc):`~?([^`]+)`")
@@ -138,8 +150,12 @@ def with_run_config(argv: list[str]) -> list[str]:
     """``test``/``unlearn``/``audit`` (and a resuming ``fit``) with ``--ckpt_path RUN`` read ``RUN/config.yaml``.
 
     The run's resolved config goes first, so any ``--config`` or flag the user gives still
-    overrides it; a run without a config.yaml (Python API runs) is left as it is.
+    overrides it; a run without a config.yaml (Python API runs) is left as it is. A config is code:
+    one naming a module from outside the installed packages is refused unless ``--trust_run_config``
+    is given (:mod:`fedshard_lightning.config_code`); that flag is taken off the command line here.
     """
+    trusted = TRUST_FLAG in argv
+    argv = [a for a in argv if a != TRUST_FLAG]
     if not argv or argv[0] not in ("fit", "test", "unlearn", "audit"):
         return argv
     ckpt = _option(argv, "--ckpt_path")
@@ -149,9 +165,10 @@ def with_run_config(argv: list[str]) -> list[str]:
     config = (run.parent if run.is_file() else run) / "config.yaml"
     if not config.is_file():
         return argv
-    check_config_file(
+    data = check_config_file(
         config, str(config), "restore it from a backup, or delete it and pass the run's settings"
     )
+    check_run_config_code(config, data, trusted)
     return [argv[0], "--config", str(config), *argv[1:], *_one_process(argv, config)]
 
 
@@ -355,6 +372,8 @@ class FederatedCLI(LightningCLI):
 
     def instantiate_classes(self) -> None:
         """Instantiate; a validation error raised inside a class's ``__init__`` becomes a ConfigError."""
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        check_numbers(config.as_dict())  # lr 1e300 named here, not by a traceback in the optimizer
         try:
             super().instantiate_classes()
         except (ValueError, TypeError) as e:
@@ -389,5 +408,9 @@ def main(args: list[str] | None = None) -> None:
 
             compare_main(argv[1:], prog="python -m fedshard_lightning compare")
             return
+        argv = join_negative_values(argv)
+        check_command_line(argv)
         _check_config_files(argv)
-        FederatedCLI(args=args)
+        if args is None:
+            sys.argv[1:] = argv
+        FederatedCLI(args=None if args is None else argv)

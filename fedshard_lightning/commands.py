@@ -20,7 +20,7 @@ from fedshard_lightning.callbacks.dispatch import call_hook
 from fedshard_lightning.deployed import load_model
 from fedshard_lightning.errors import CacheError
 from fedshard_lightning.loggers import finish_loggers, log_result
-from fedshard_lightning.run_dir import existing_run_dir, run_lock
+from fedshard_lightning.run_dir import check_real_folders, existing_run_dir, run_lock
 from fedshard_lightning.tensor_schema import schema_of
 
 __all__ = ["run_audit", "run_test"]
@@ -32,6 +32,7 @@ def run_test(trainer: Any, model: Any, datamodule: Any, ckpt_path: str | None) -
     lone_file = path is not None and path.is_file()
     if lone_file:
         run_dir, weights = path.parent, path
+        check_real_folders(run_dir)  # its logs/ are written beside the file
     else:
         run_dir = existing_run_dir(ckpt_path, "test")
         weights = run_dir / "model.safetensors"

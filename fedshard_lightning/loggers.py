@@ -21,6 +21,7 @@ import csv
 import json
 import os
 import secrets
+import shutil
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -334,12 +335,36 @@ def log_result(trainer: Any, row: dict[str, float]) -> None:
     """``audit`` / ``test`` on a run: one row at the run's next step in every logger, then close them.
 
     A read-only run (which ``test`` must be able to read) gets no row: nothing is written there.
+    A write that fails (disk full) leaves no partial file: the CSV folder this command started is
+    removed again, and the error names the file (``f.write`` raises ENOSPC without a name).
     """
+    segments = [
+        Path(lg.log_dir)
+        for lg in trainer.fabric.loggers
+        if isinstance(lg, CSVLogger) and not _holds_rows(Path(lg.log_dir))
+    ]
     step = trainer.log_step_start
-    if os.access(trainer.run_dir, os.W_OK):
-        trainer.fabric.log_dict(row, step=step)
-        step += 1
-    finish_loggers(trainer.fabric.loggers, trainer.wandb, trainer.run_dir, step)
+    try:
+        if os.access(trainer.run_dir, os.W_OK):
+            trainer.fabric.log_dict(row, step=step)
+            step += 1
+        finish_loggers(trainer.fabric.loggers, trainer.wandb, trainer.run_dir, step)
+    except OSError as e:
+        for folder in segments:
+            shutil.rmtree(folder, ignore_errors=True)
+        if e.filename is None and e.errno is not None and segments:
+            raise OSError(
+                e.errno, e.strerror or os.strerror(e.errno), str(segments[0] / "metrics.csv")
+            ) from None
+        raise
+
+
+def _holds_rows(folder: Path) -> bool:
+    """Whether a CSV folder has files already (then it is not this command's to remove)."""
+    try:
+        return folder.is_dir() and any(folder.iterdir())
+    except OSError:
+        return True
 
 
 def finish_loggers(

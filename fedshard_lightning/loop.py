@@ -34,6 +34,7 @@ from fedshard_lightning.errors import CacheError, ConfigError
 from fedshard_lightning.loggers import finish_loggers, restore_csv_history
 from fedshard_lightning.no_config import one_line as _one_line
 from fedshard_lightning.peer_watch import launch_watched
+from fedshard_lightning.request_history import check_history
 from fedshard_lightning.requests import validate_exclude
 from fedshard_lightning.run_dir import Journal, recover_reports
 from fedshard_lightning.unlearning.context import AlgorithmContext, LoopEvents
@@ -376,6 +377,7 @@ def load_run(trainer: Any, run_dir: Path) -> None:
             f"{run_dir} has no committed FLCache (cache/CURRENT); was fit interrupted before stage 1?"
         )
     manifest = trainer.store.restore(trainer.algorithm, trainer.device, trainer.vectorize)
+    check_history(run_dir, trainer.store.cache, manifest)  # before the model file is written from it
     reproduce_numerics(trainer, run_dir)
     if not manifest.get("complete"):
         raise CacheError(

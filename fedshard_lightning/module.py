@@ -59,6 +59,14 @@ __all__ = [
     "takes_batch_idx",
 ]
 
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _real(value: object) -> bool:
+    """A finite int or float (not a bool): what a hyper-parameter of the optimizer may be."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 # Hooks of Lightning's training loop that federated local training never calls: a model that
 # overrides one would train without its logic and nobody would notice, so it is refused.
 LOOP_HOOKS = (
@@ -108,10 +116,14 @@ class FederatedModule(RecordsInitArgs, L.LightningModule):
         super().__init__()
         if optimizer not in ("sgd", "adam", "adamw"):
             raise ConfigError(f"model.optimizer={optimizer!r}: choose sgd, adam or adamw")
-        if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
-            raise ConfigError(f"model.lr={lr!r}: the learning rate must be a positive number")
-        if momentum < 0 or weight_decay < 0:
-            raise ConfigError("model.momentum and model.weight_decay must be >= 0")
+        if not (_real(lr) and 0 < lr <= _FLOAT32_MAX):
+            raise ConfigError(
+                f"model.lr={lr!r}: the learning rate must be a positive number (at most 3.4e38)"
+            )
+        if not (_real(momentum) and 0 <= momentum < 1):
+            raise ConfigError(f"model.momentum={momentum!r}: SGD momentum must be in [0, 1) (0.9 is common)")
+        if not (_real(weight_decay) and 0 <= weight_decay <= _FLOAT32_MAX):
+            raise ConfigError(f"model.weight_decay={weight_decay!r}: must be a finite number >= 0")
         self.optimizer_name = optimizer
         self.lr = float(lr)
         self.momentum = float(momentum)

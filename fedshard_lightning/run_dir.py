@@ -19,6 +19,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
+import shutil
+import unicodedata
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
@@ -36,7 +39,9 @@ from fedshard_lightning.errors import CacheError, ConfigError, FedShardError
 from fedshard_lightning.os_faults import EXIT_CODES
 
 __all__ = [
+    "WRITTEN_FOLDERS",
     "Journal",
+    "check_real_folders",
     "existing_run_dir",
     "model_is_stale",
     "new_run_dir",
@@ -46,8 +51,13 @@ __all__ = [
 ]
 
 
-def new_run_dir(root_dir: str, run_name: str | None) -> Path:
-    """A new folder under the root, never an existing one; ``cache/`` inside marks it as a run."""
+def new_run_dir(root_dir: str, run_name: str | None, config_yaml: str | None = None) -> Path:
+    """A new folder under the root, never an existing one; ``cache/`` inside marks it as a run.
+
+    The CLI's resolved config (``config_yaml``) is written at once, before any data is read: a fit
+    killed later is resumed with its own settings, and a folder without it (killed in between) is
+    refused by a resume rather than trained with the package defaults.
+    """
     root = Path(root_dir)
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -57,6 +67,11 @@ def new_run_dir(root_dir: str, run_name: str | None) -> Path:
         raise ConfigError(
             f"trainer.default_root_dir={str(root)!r}: cannot create it ({e.strerror})"
         ) from None
+    if run_name and any(unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp") for c in run_name):
+        raise ConfigError(
+            f"trainer.run_name={run_name!r}: must not hold control characters (a newline, a tab, ...): "
+            "they make a folder name that shells and listings misprint"
+        )
     if run_name and (
         Path(run_name).name != run_name or run_name in (".", "..") or os.sep in run_name or "/" in run_name
     ):
@@ -88,7 +103,13 @@ def new_run_dir(root_dir: str, run_name: str | None) -> Path:
             raise ConfigError(
                 f"trainer.default_root_dir={str(root)!r}: cannot create {path} ({e.strerror})"
             ) from None
-        (path / "cache").mkdir()  # a fit killed before its first commit can still be resumed
+        try:
+            (path / "cache").mkdir()
+            if config_yaml is not None:
+                atomic_write_bytes(path / "config.yaml", config_yaml.encode())
+        except BaseException:  # disk full, read-only: leave no folder that looks like a run
+            shutil.rmtree(path, ignore_errors=True)
+            raise
         return path
     raise ConfigError(f"trainer.default_root_dir={str(root)!r}: no free version_N folder name")
 
@@ -100,12 +121,15 @@ def existing_run_dir(ckpt_path: str | None, command: str) -> Path:
     path = Path(ckpt_path)
     if not path.is_dir():
         raise CacheError(f"ckpt_path={ckpt_path!r}: no such run directory")
+    check_real_folders(path)
     cache = path / "cache"
-    if cache.is_symlink():
-        raise CacheError(
-            f"{cache} is a symbolic link; a run directory's cache must be a real folder (remove it)"
-        )
     if command == "fit" and not _resumable(path):
+        if _stopped_before_settings(path):
+            raise CacheError(
+                f"ckpt_path={ckpt_path!r} holds no config.yaml and no committed version: its fit stopped "
+                "before it recorded its settings, so there is nothing to resume (a resume would train other "
+                f"settings); remove the folder (rm -r {shlex.quote(str(path))}) and run fit again without --ckpt_path"
+            )
         raise CacheError(
             f"ckpt_path={ckpt_path!r} is not a run directory that fit created (config.yaml or "
             "cache/FINGERPRINT and cache/ expected); start a new run without --ckpt_path"
@@ -117,18 +141,60 @@ def existing_run_dir(ckpt_path: str | None, command: str) -> Path:
     return path
 
 
-def _resumable(path: Path) -> bool:
-    """A folder that fit created: its cache folder, and the config or fingerprint that fit records first.
+#: The folders the commands write into, relative to the run directory.
+WRITTEN_FOLDERS = (
+    "cache",
+    "cache/blobs",
+    "logs",
+    "unlearning",
+    "tensorboard",
+    "wandb_files",
+    "wandb_files/wandb",
+)
 
-    A fit killed before it recorded either left nothing but an empty cache folder (and maybe logs).
+
+def check_real_folders(run_dir: Path) -> None:
+    """Refuse a run whose written folders are symbolic links (or not folders), before anything is written.
+
+    A planted link would send the new blobs, logs or reports outside the run (or into another
+    one). Checked: :data:`WRITTEN_FOLDERS`, the blob fan-out folders and the entries of ``logs/``.
+    """
+    found = [run_dir / name for name in WRITTEN_FOLDERS]
+    for parent in (run_dir / "logs", run_dir / "cache" / "blobs"):
+        if parent.is_dir() and not parent.is_symlink():
+            found += [p for p in parent.iterdir() if p.is_symlink()]
+    for folder in found:
+        if folder.is_symlink():
+            raise CacheError(
+                f"{folder} is a symbolic link; the folders a run writes into must be real folders (writes "
+                "would land outside the run): replace it with a real folder"
+            )
+        if folder.exists() and not folder.is_dir():
+            raise CacheError(f"{folder} is not a folder; the run directory is damaged (remove or rename it)")
+
+
+def _resumable(path: Path) -> bool:
+    """A folder that fit created and recorded its settings in: the config or fingerprint, or a commit.
+
+    Without any of them a resume cannot know the run's settings; it would train the defaults.
     """
     cache = path / "cache"
-    if not cache.is_dir():
-        return False
     marks = [path / "config.yaml", cache / "FINGERPRINT", cache / "CURRENT"]
-    if any(m.is_file() for m in marks):
-        return True
-    return not any(cache.iterdir()) and all(p.name in ("cache", "logs") for p in path.iterdir())
+    return cache.is_dir() and not cache.is_symlink() and any(m.is_file() for m in marks)
+
+
+def _stopped_before_settings(path: Path) -> bool:
+    """Whether a folder holds only what a fit leaves before it records its settings.
+
+    That is its ``cache/`` and ``logs/`` folders and the temporary files of a config or fingerprint
+    write that was cut short; any other file means the folder is not (only) such a leftover.
+    """
+    cache = path / "cache"
+    if not cache.is_dir() or cache.is_symlink():
+        return False
+    if not all(p.name in ("cache", "logs") or p.name.startswith(".config.yaml.tmp-") for p in path.iterdir()):
+        return False
+    return all(p.name.startswith(".FINGERPRINT.tmp-") for p in cache.iterdir())
 
 
 @contextlib.contextmanager
@@ -210,18 +276,22 @@ class Journal:
 
     def committed(self) -> set[int]:
         """Request numbers with a ``committed`` line (lines torn by a crash are skipped)."""
-        done: set[int] = set()
+        return set(self.committed_entries())
+
+    def committed_entries(self) -> dict[int, dict[str, Any]]:
+        """The ``committed`` lines by request number (lines torn by a crash are skipped)."""
+        done: dict[int, dict[str, Any]] = {}
         if self.path.is_file():
             for line in self.path.read_bytes().decode("utf-8", errors="replace").splitlines():
                 try:
                     entry = json.loads(line)
-                except json.JSONDecodeError:
+                except (json.JSONDecodeError, RecursionError):
                     continue
                 if not isinstance(entry, dict) or entry.get("event") != "committed":
                     continue
                 request = entry.get("request")
                 if isinstance(request, int) and not isinstance(request, bool):  # a damaged line is skipped
-                    done.add(request)
+                    done[request] = entry
         return done
 
 

@@ -43,6 +43,7 @@ from fedshard_lightning.run_dir import existing_run_dir, new_run_dir, resume_hin
 from fedshard_lightning.store import RunStore
 from fedshard_lightning.trainer_options import (
     as_list,
+    check_devices,
     check_inputs,
     check_optimizer_state,
     check_options,
@@ -160,6 +161,7 @@ class FederatedTrainer:
             gradient_clip_algorithm,
             optimizer_state,
         )
+        check_devices(accelerator, devices)
         self.algorithm = algorithm
         self.accelerator, self.devices, self.strategy, self.precision = (
             accelerator,
@@ -336,7 +338,11 @@ class FederatedTrainer:
         if resume:
             run_dir = existing_run_dir(ckpt_path, "fit")
         else:
-            made = str(new_run_dir(self.default_root_dir, self.run_name)) if self.is_global_zero else None
+            made = (
+                str(new_run_dir(self.default_root_dir, self.run_name, self.config_yaml))
+                if self.is_global_zero
+                else None
+            )
             run_dir = Path(self.fabric.broadcast(made, src=0))
         try:
             with run_lock(run_dir):  # one process trains a run: a second resume stops in one line
@@ -393,6 +399,7 @@ class FederatedTrainer:
         """
         with run_lock(existing_run_dir(ckpt_path, "unlearn")):
             self._load_run(model, datamodule, ckpt_path, "unlearn")
+            self.cache.verify()  # every blob of the version it builds on, not only those the load read
             return apply_request(self, clients)
 
     @keep_caller_state

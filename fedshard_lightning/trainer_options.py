@@ -7,6 +7,7 @@ the CLI prints that line and exits non-zero.
 from __future__ import annotations
 
 import numbers
+import os
 from typing import Any
 
 import lightning as L
@@ -20,6 +21,7 @@ from fedshard_lightning.unlearning.base import Algorithm
 
 __all__ = [
     "as_list",
+    "check_devices",
     "check_gradient_clip",
     "check_inputs",
     "check_optimizer_state",
@@ -80,6 +82,12 @@ def check_options(
         raise ConfigError(
             f"trainer.num_threads={num_threads!r}: must be an integer >= 1 (or null for torch's default)"
         )
+    cores = os.cpu_count() or 1
+    if num_threads is not None and num_threads > THREADS_PER_CORE * cores:
+        raise ConfigError(
+            f"trainer.num_threads={num_threads}: at most {THREADS_PER_CORE * cores} ({THREADS_PER_CORE} per core, "
+            f"{cores} cores here); more threads than cores only slow a run down"
+        )
     if not _is_int(seed) or not 0 <= seed < 2**32:
         raise ConfigError(f"trainer.seed={seed!r}: give an integer in [0, 2**32), as seed_everything takes")
     check_gradient_clip(gradient_clip_val, gradient_clip_algorithm)
@@ -110,6 +118,47 @@ def check_optimizer_state(setting: str, spec: OptimizerSpec) -> None:
         raise ConfigError(
             f"trainer.optimizer_state=keep: the client optimizer {spec.cls.__name__} keeps no state between "
             "steps (plain SGD); leave optimizer_state at reset, or use momentum or Adam"
+        )
+
+
+#: Most intra-op threads per core: beyond it threads only contend (a typo once asked for 100,000).
+THREADS_PER_CORE = 4
+
+
+def check_devices(accelerator: Any, devices: Any) -> None:
+    """Refuse more devices than this machine has, before any process is started.
+
+    ``devices: 1000`` on CPU started at least 166 worker processes, which outlived their killed
+    launcher and left the machine unable to fork. CPU devices are processes: at most one per core.
+    """
+    wanted: int | None = None
+    if _is_int(devices):
+        wanted = devices
+    elif isinstance(devices, str) and devices.strip().isdigit():
+        wanted = int(devices)
+    elif isinstance(devices, str) and "," in devices:
+        wanted = len([d for d in devices.split(",") if d.strip()])
+    elif isinstance(devices, (list, tuple)):
+        wanted = len(devices)
+    if wanted is None or wanted < 1:
+        return  # "auto", -1 ("all of them"): Fabric picks what exists
+    kind = str(accelerator)
+    if kind == "auto":
+        import torch
+
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    if kind == "cpu":
+        have, what = os.cpu_count() or 1, "CPU cores"
+    elif kind in ("cuda", "gpu"):
+        import torch
+
+        have, what = torch.cuda.device_count(), "CUDA GPUs"
+    else:
+        return  # another accelerator: its own count is Fabric's to check
+    if wanted > have:
+        raise ConfigError(
+            f"trainer.devices={devices!r}: this machine has {have} {what} (accelerator {accelerator}); "
+            f"give at most {have}"
         )
 
 

@@ -131,10 +131,12 @@ def inspect(trial: Trial, kill: Kill) -> None:
 
 
 def resume(trial: Trial, model: bytes, unlearned: bytes) -> None:
-    """``fit --ckpt_path RUN_DIR`` in-process; compare the final model with the reference."""
-    code, _, err = cli(
-        ["fit", *TINY, "--trainer.default_root_dir", str(trial.run.parent), "--ckpt_path", str(trial.run)]
-    )
+    """``fit --ckpt_path RUN_DIR`` in-process, as a user resumes (no flags: the run's own config); compare models.
+
+    Without flags, a resume that fell back to the package defaults trains another model: it
+    counts as silently wrong (not bit-identical), never as a success.
+    """
+    code, _, err = cli(["fit", "--ckpt_path", str(trial.run)])
     if code != 0:
         lines = error_lines(err)
         reason = lines[-1] if lines else f"exit status {code}"
@@ -203,20 +205,22 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  bit-identical to the uninterrupted run: {identical}/{resumed} resumed")
     for reason, n in collections.Counter(t.resume for t in trials if not t.resume.startswith("ok")).items():
         print(f"  {n:3d}  resume {reason}")
+    # A refusal must say how to go on: removing the folder (then a new run), never only "start a new run",
+    # which a new run of the same name answers with "resume it".
+    dead = sum(t.resume.startswith("refused") and "rm -r" not in t.resume for t in trials)
+    wrong = sum(t.identical == "NO" for t in trials)
     checked = [t.agreement for t in trials if t.agreement is not None]
     stale = sum(a.stale for a in checked)
     agreed = sum(a.ok for a in checked)
     print(
         f"figures: fit kills {sum(t.killed for t in trials)}/{len(trials)}, resumable {resumed}/{len(trials)}, "
-        f"bit-identical {identical}/{len(trials)}, stale models {stale}, test+unlearn+audit agree "
-        f"{agreed}/{len(checked)}"
+        f"bit-identical {identical}/{len(trials)}, silently wrong {wrong}, dead ends {dead}, stale models {stale}, "
+        f"test+unlearn+audit agree {agreed}/{len(checked)}"
     )
     print(f"  wall time {time.monotonic() - t:.0f}s")
     if not args.keep and args.workdir is None:
         shutil.rmtree(root, ignore_errors=True)
-    bad = (
-        consistent < len(trials) or any(t.identical == "NO" for t in trials) or stale or agreed < len(checked)
-    )
+    bad = consistent < len(trials) or wrong or dead or stale or agreed < len(checked)
     return 1 if bad else 0
 
 

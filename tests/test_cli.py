@@ -133,7 +133,7 @@ def test_fit_without_config_uses_digits_defaults(capsys):
         (["unlearn", "--ckpt_path", "/nonexistent/run", "--clients", "[1]"], "ckpt_path"),
         (
             ["unlearn", "--ckpt_path", "/nonexistent/run", "--clients", "3.5"],
-            "clients: expected list[int] or int, got 3.5",
+            "clients='3.5': give plain integers",
         ),
         (
             ["fit", "--trainer.max_chunk_clients", "x"],

@@ -10,10 +10,13 @@ each group averages its participants weighted by their sample counts.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
+import os
+import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -107,6 +110,7 @@ class FederatedEngine:
             raise ConfigError(f"max_chunk_clients={max_chunk_clients}: must be >= 1 or null")
         self.module = module
         self.dm = datamodule
+        schedule = _clamped(schedule, datamodule.client_sizes)
         self.schedule = schedule
         self.seed = int(seed)
         self.client_fraction = float(client_fraction)
@@ -417,3 +421,21 @@ class FederatedEngine:
             seconds=time.perf_counter() - t0,
             history=history,
         )
+
+
+def _clamped(schedule: LocalSchedule, client_sizes: Any) -> LocalSchedule:
+    """The schedule with its batch size cut to the largest client, with a note when that changes it.
+
+    A batch never holds more than a client's samples, so the cut trains the same bits (every
+    batch is the same samples), but the stacked buffers are sized by the batch size: a typo such as
+    ``batch_size: 1000000000`` would otherwise try to allocate gigabytes.
+    """
+    largest = max((int(n) for n in client_sizes), default=0)
+    if largest < 1 or schedule.batch_size <= largest:
+        return schedule
+    if os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) in ("", "0"):
+        sys.stderr.write(
+            f"note: algorithm.batch_size={schedule.batch_size} is larger than the largest client ({largest} "
+            f"samples); batches are sized {largest}, which trains the same bits\n"
+        )
+    return dataclasses.replace(schedule, batch_size=largest)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from _reliability_helpers import TINY, Background, cli, crash_plans, unlearn_plans
+from _reliability_helpers import TINY, Background, cli, copy_run, crash_plans, unlearn_plans
 
 
 @pytest.fixture(scope="session")
@@ -15,6 +15,15 @@ def reference_run(tmp_path_factory) -> Path:
     code, _, err = cli(["fit", *TINY, "--trainer.default_root_dir", str(root), "--trainer.run_name", "ref"])
     assert code == 0, err
     return root / "ref"
+
+
+@pytest.fixture(scope="session")
+def unlearned_run(tmp_path_factory, reference_run) -> Path:
+    """A copy of the reference run after ``unlearn --clients [2]``; never modify it, copy it."""
+    run = copy_run(reference_run, tmp_path_factory.mktemp("unlearned") / "ref")
+    code, _, err = cli(["unlearn", "--ckpt_path", str(run), "--clients", "[2]"])
+    assert code == 0, err
+    return run
 
 
 def _selected(request, filename: str) -> bool:

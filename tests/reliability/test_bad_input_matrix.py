@@ -195,6 +195,57 @@ def _only_model(run: Path, _: Path) -> None:
             shutil.rmtree(p) if p.is_dir() else p.unlink()
 
 
+def _nothing_recorded(*cache_files: str) -> Callable[[Path, Path], None]:
+    """What a fit killed before it recorded its settings leaves: ``cache/`` (with cut-short writes), ``logs/``."""
+
+    def damage(run: Path, _: Path) -> None:
+        for p in list(run.iterdir()):
+            if p.name != "logs":
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+        (run / "cache").mkdir()
+        for name in cache_files:
+            (run / "cache" / name).write_text('{"finger')
+
+    return damage
+
+
+def _roll_back(run: Path, _: Path) -> None:
+    """Point CURRENT at the version before the last request, with that manifest's correct checksum."""
+    parent = _cache(run).history()[1]
+    (run / "cache" / "CURRENT").write_text(
+        json.dumps({"version": parent, "manifest_sha256": sha256_file(_manifest_path(run, parent))})
+    )
+
+
+def _then(*damages: Callable[[Path, Path], None]) -> Callable[[Path, Path], None]:
+    def damage(run: Path, case: Path) -> None:
+        for d in damages:
+            d(run, case)
+
+    return damage
+
+
+def _touch(name: str) -> Callable[[Path, Path], None]:
+    def damage(run: Path, _: Path) -> None:
+        (run / name).write_text("a file where a folder belongs\n")
+
+    return damage
+
+
+def _forget_unlearned(run: Path, _: Path) -> None:
+    """Edit the current manifest's ``unlearned`` list from [2] to [] (CURRENT rehashed)."""
+    _rewrite_manifest(run, lambda raw: raw.update(unlearned=[]))
+
+
+def _forget_request_log(run: Path, _: Path) -> None:
+    _rewrite_manifest(run, lambda raw: raw.update(unlearned=[], requests={"blobs": []}))
+
+
+def _journal_other_clients(run: Path, _: Path) -> None:
+    path = run / "unlearning" / "journal.jsonl"
+    path.write_text(path.read_text().replace('"clients": [2]', '"clients": [5]'))
+
+
 def _old_version(run: Path) -> Path:
     return _manifest_path(run, _cache(run).versions()[0])
 
@@ -233,6 +284,7 @@ class Case:
     code: int = 2
     patch: tuple[str, int] | None = None  # (operation, errno): make that write fail
     tmpfs: bool = False
+    unlearned: bool = False  # start from the run after `unlearn --clients [2]`
     marks: list = field(default_factory=list)
 
 
@@ -261,6 +313,30 @@ def cache_cmd(*extra: str):
     return lambda run, _: ["cache", *extra, "--ckpt_path", str(run)]
 
 
+def fit_config(text: str, *extra: str):
+    """A new fit with ``--config`` a file of ``text`` (written into the case folder)."""
+
+    def argv(run: Path, case: Path) -> list[str]:
+        path = case / "bad.yaml"
+        path.write_text(text)
+        return ["fit", *TINY, "--config", str(path), "--trainer.default_root_dir", str(case / "runs"), *extra]
+
+    return argv
+
+
+def _run_config(text: str) -> Callable[[Path, Path], None]:
+    def damage(run: Path, _: Path) -> None:
+        path = run / "config.yaml"
+        path.write_text(path.read_text() + text)
+
+    return damage
+
+
+_LAUGHS = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 9)}]\n" for i in range(9)
+)
+_DEEP = "model:\n  init_args:\n    hidden: " + "[" * 5000 + "]" * 5000 + "\n"
+
 U = unlearn("[1]")
 STACK_ROW = "row 0 of stack stage_2"
 
@@ -283,6 +359,43 @@ CASES: dict[str, Case] = {
     "gc_keep_negative": Case(cache_cmd("gc", "--keep", "-2"), "--keep"),
     "num_clients_negative": Case(fit_new("--data.num_clients", "-4"), "num_clients"),
     "mixed_precision": Case(fit_new("--trainer.precision", "16-mixed"), "precision"),
+    # -- bounded inputs: YAML expansion, nesting, duplicate keys; devices, threads, numbers in range
+    "yaml_billion_laughs": Case(fit_config(_LAUGHS), "billion laughs"),
+    "yaml_nested_5000": Case(fit_config(_DEEP), "nested deeper"),
+    "yaml_nested_mappings": Case(
+        fit_config("model:\n" + "".join("  " * i + "k:\n" for i in range(1, 90))), "nested deeper"
+    ),
+    "yaml_duplicate_key": Case(fit_config("model:\n  init_args:\n    lr: 0.1\n    lr: 0.5\n"), "'lr'"),
+    "yaml_duplicate_top_key": Case(fit_config("seed_everything: 1\nseed_everything: 2\n"), "seed_everything"),
+    "yaml_recursive_alias": Case(fit_config("model: &m {init_args: {hidden: [*m]}}\n"), "alias"),
+    "run_config_duplicate_key": Case(U, "seed_everything", _run_config("seed_everything: 3\n")),
+    "run_config_billion_laughs": Case(U, "billion laughs", _run_config(_LAUGHS)),
+    "flag_value_nested_5000": Case(fit_new("--model.init_args.hidden", "[" * 5000 + "]" * 5000), "nested"),
+    "devices_1000": Case(fit_new("--trainer.devices", "1000"), "devices"),
+    "devices_1000_string": Case(fit_new("--trainer.devices", "'1000'"), "devices"),
+    "devices_1000_unlearn": Case(unlearn("[1]", "--trainer.devices", "1000"), "devices"),
+    "num_threads_100000": Case(fit_new("--trainer.num_threads", "100000"), "num_threads"),
+    "num_threads_100000_audit": Case(on("audit", "--trainer.num_threads", "100000"), "num_threads"),
+    "lr_1e300": Case(fit_new("--model.lr", "1e300"), "model.lr"),
+    "lr_1e400": Case(fit_new("--model.lr", "1e400"), "model.lr"),
+    "lr_minus_inf": Case(fit_new("--model.lr", "-inf"), "model.lr"),
+    "lr_minus_small": Case(fit_new("--model.lr", "-1e-3"), "model.lr"),
+    "lr_1e300_unlearn": Case(unlearn("[1]", "--model.lr", "1e300"), "model.lr"),
+    "momentum_2": Case(fit_new("--model.momentum", "2"), "model.momentum"),
+    "momentum_1": Case(fit_new("--model.momentum", "1"), "model.momentum"),
+    "weight_decay_1e39": Case(fit_new("--model.weight_decay", "1e39"), "weight_decay"),
+    "rho_1e300": Case(fit_new("--data.rho", "1e300"), "rho"),
+    "memory_budget_1e300": Case(fit_new("--trainer.memory_budget_mb", "1e300"), "memory_budget_mb"),
+    "clients_quoted_digit": Case(unlearn('["1"]'), "clients"),
+    "clients_arabic_indic_digit": Case(unlearn("[\u0661]"), "clients"),
+    "clients_arabic_indic_scalar": Case(unlearn("\u0661"), "clients"),
+    "clients_fullwidth_digit": Case(unlearn("[\uff11]"), "clients"),
+    "clients_hex": Case(unlearn("[0x1]"), "clients"),
+    "clients_anchor": Case(unlearn("[&a 1, *a]"), "clients"),
+    "run_name_newline": Case(fit_new("--trainer.run_name", "a\nb"), "run_name"),
+    "run_name_tab": Case(fit_new("--trainer.run_name", "a\tb"), "run_name"),
+    "run_name_escape": Case(fit_new("--trainer.run_name", "\x1b[31mred"), "run_name"),
+    "run_name_line_separator": Case(fit_new("--trainer.run_name", "a\u2028b"), "run_name"),
     # -- run_name escapes
     "run_name_parent": Case(fit_new("--trainer.run_name", "../escape"), "run_name"),
     "run_name_nested": Case(fit_new("--trainer.run_name", "a/b"), "run_name"),
@@ -320,6 +433,44 @@ CASES: dict[str, Case] = {
     "resume_precommit_other_seed": Case(on("fit", "--seed_everything", "7"), "seed", _before_first_commit),
     "resume_precommit_other_lr": Case(on("fit", "--model.lr", "0.5"), "lr", _before_first_commit),
     "resume_fingerprint_damaged": Case(on("fit"), "FINGERPRINT", _damaged_fingerprint),
+    # -- fit --ckpt_path on a folder whose fit recorded no settings: refused, never trained with defaults
+    "resume_nothing_recorded": Case(bare("fit", target=lambda r, c: r), "rm -r", _nothing_recorded()),
+    "resume_nothing_recorded_no_flags": Case(
+        lambda r, c: ["fit", "--ckpt_path", str(r)], "no config.yaml", _nothing_recorded()
+    ),
+    "resume_fingerprint_tmp_only": Case(
+        bare("fit", target=lambda r, c: r), "rm -r", _nothing_recorded(".FINGERPRINT.tmp-999999999")
+    ),
+    # -- the request history and CURRENT disagree (a rollback): refused before anything is written
+    **{
+        f"rollback_{name}": Case(argv, "rolled back", _roll_back, unlearned=True)
+        for name, argv in {
+            "test": on("test"),
+            "unlearn": unlearn("[3]"),
+            "unlearn_same_client": U,
+            "audit": on("audit"),
+            "verify": cache_cmd("verify"),
+            "verify_all": cache_cmd("verify", "--all"),
+            "gc": cache_cmd("gc", "--keep", "1"),
+        }.items()
+    },
+    "rollback_without_journal": Case(
+        on("test"),
+        "report.json",
+        _then(_roll_back, _remove(lambda r: r / "unlearning" / "journal.jsonl")),
+        unlearned=True,
+    ),
+    "rollback_without_reports": Case(
+        on("test"),
+        "journal.jsonl",
+        _then(_roll_back, _remove(lambda r: r / "unlearning" / "0001")),
+        unlearned=True,
+    ),
+    "unlearned_list_edited_unlearn_again": Case(unlearn("[2]"), "edited", _forget_unlearned, unlearned=True),
+    "unlearned_list_edited_test": Case(on("test"), "edited", _forget_unlearned, unlearned=True),
+    "unlearned_list_edited_verify": Case(cache_cmd("verify"), "edited", _forget_unlearned, unlearned=True),
+    "request_log_emptied": Case(on("audit"), "request 1", _forget_request_log, unlearned=True),
+    "journal_names_other_clients": Case(on("test"), "[5]", _journal_other_clients, unlearned=True),
     # -- symbolic links planted in the run
     "journal_symlink": Case(U, "journal.jsonl", _symlink(lambda r: r / "unlearning" / "journal.jsonl")),
     "unlearning_dir_symlink": Case(U, "unlearning", _symlink(lambda r: r / "unlearning", target_is_dir=True)),
@@ -328,6 +479,34 @@ CASES: dict[str, Case] = {
         on("fit"), "symbolic link", _symlink(lambda r: r / "cache", target_is_dir=True)
     ),
     "blob_symlink": Case(on("audit"), "theta0", _symlink(_theta0_blob)),
+    **{
+        f"logs_symlink_{name}": Case(argv, "logs", _symlink(lambda r: r / "logs", target_is_dir=True))
+        for name, argv in {
+            "test": on("test"),
+            "unlearn": U,
+            "audit": on("audit"),
+            "test_model_file": on("test", target=lambda r: r / "model.safetensors"),
+        }.items()
+    },
+    "logs_entry_symlink_test": Case(
+        on("test"), "test-1", _symlink(lambda r: r / "logs" / "test-1", target_is_dir=True)
+    ),
+    "logs_is_a_file_test": Case(
+        on("test"), "not a folder", _then(_remove(lambda r: r / "logs"), _touch("logs"))
+    ),
+    "blobs_symlink_unlearn": Case(U, "blobs", _symlink(lambda r: r / "cache" / "blobs", target_is_dir=True)),
+    "blobs_symlink_gc": Case(
+        cache_cmd("gc", "--keep", "1"), "blobs", _symlink(lambda r: r / "cache" / "blobs", target_is_dir=True)
+    ),
+    "blobs_fanout_symlink_unlearn": Case(
+        U, "zz", _symlink(lambda r: r / "cache" / "blobs" / "zz", target_is_dir=True)
+    ),
+    "tensorboard_symlink_test": Case(
+        on("test"), "tensorboard", _symlink(lambda r: r / "tensorboard", target_is_dir=True)
+    ),
+    "wandb_symlink_audit": Case(
+        on("audit"), "wandb_files", _symlink(lambda r: r / "wandb_files", target_is_dir=True)
+    ),
     "manifest_symlink": Case(U, "manifest.json", _symlink(_manifest_path)),
     "current_symlink": Case(U, "CURRENT", _symlink(lambda r: r / "cache" / "CURRENT")),
     # -- tensors swapped for others, checksums updated
@@ -392,6 +571,9 @@ CASES: dict[str, Case] = {
     "flip_unread_blob_test": Case(
         on("test"), "client_sizes", _flip(lambda r: _cache(r).path_of("client_sizes.safetensors"))
     ),
+    "flip_unread_blob_unlearn": Case(
+        U, "client_sizes", _flip(lambda r: _cache(r).path_of("client_sizes.safetensors"))
+    ),
     "flip_theta0_verify": Case(cache_cmd("verify"), "corrupted", _flip(_theta0_blob)),
     # -- truncated files
     "truncate_current": Case(U, "CURRENT", _truncate(lambda r: r / "cache" / "CURRENT")),
@@ -415,6 +597,10 @@ CASES: dict[str, Case] = {
     "missing_theta0_blob": Case(U, "theta0", _remove(_theta0_blob)),
     "missing_stack_row_blob": Case(on("audit"), "stage_2", _remove(_first_row_blob)),
     "missing_current_manifest": Case(U, "CURRENT", _remove(_manifest_path)),
+    "missing_old_manifest_verify_all": Case(
+        cache_cmd("verify", "--all"), "0001-stage-1", _remove(_old_version)
+    ),
+    "missing_old_manifest_gc": Case(cache_cmd("gc", "--keep", "1"), "0001-stage-1", _remove(_old_version)),
     "missing_blobs_folder": Case(on("test"), "missing", _remove(lambda r: r / "cache" / "blobs")),
     "missing_structure_blob": Case(
         U, "structure_1", _remove(lambda r: _cache(r).path_of("structure_1.safetensors"))
@@ -513,7 +699,9 @@ def base(tmp_path_factory, reference_run) -> Path:
 
 
 @pytest.mark.parametrize("case", list(_params()))
-def test_matrix_case_is_one_line_and_changes_nothing(case: Case, base: Path, tmp_path: Path, monkeypatch):
+def test_matrix_case_is_one_line_and_changes_nothing(
+    case: Case, base: Path, tmp_path: Path, monkeypatch, request
+):
     case_dir = tmp_path / "case"
     mounted = False
     if case.tmpfs:
@@ -523,7 +711,7 @@ def test_matrix_case_is_one_line_and_changes_nothing(case: Case, base: Path, tmp
     else:
         case_dir.mkdir()
     try:
-        run = copy_run(base, case_dir / "run")
+        run = copy_run(request.getfixturevalue("unlearned_run") if case.unlearned else base, case_dir / "run")
         (case_dir / "runs").mkdir()
         if case.damage is not None:
             case.damage(run, case_dir)
@@ -549,5 +737,5 @@ def test_matrix_case_is_one_line_and_changes_nothing(case: Case, base: Path, tmp
 
 def test_the_matrix_is_large_enough():
     """This matrix plus the older table of test_bad_inputs.py (checked with the same tree hash)."""
-    assert len(CASES) >= 90
-    assert len(CASES) + len(OLD_CASES) >= 100
+    assert len(CASES) >= 160
+    assert len(CASES) + len(OLD_CASES) >= 220

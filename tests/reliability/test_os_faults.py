@@ -207,3 +207,47 @@ def test_disk_full_at_unlearn_report_json_is_repaired_by_the_next_load(reference
     assert [r["clients"] for r in FLCache(run / "cache").manifest()["requests"]] == [[2], [5]]
     report = (run / "unlearning" / "0002" / "report.json").read_bytes()
     assert json.loads(report)["request"] == 2 and (run / "unlearn_report.json").read_bytes() == report
+
+
+@pytest.mark.parametrize("command", ["test", "audit"])
+def test_a_full_disk_while_test_or_audit_logs_leaves_no_partial_file(
+    reference_run, tmp_path, monkeypatch, command
+):
+    """The row's write fails halfway, as a full disk fails it (ENOSPC without a file name)."""
+    import builtins
+
+    run = copy_run(reference_run, tmp_path / "run")
+    before = tree_hash(run)
+    real_open = builtins.open
+
+    class HalfWritten:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, text):
+            self.f.write(text[: len(text) // 2])
+            self.f.flush()
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    def fake_open(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        if str(file).endswith("metrics.csv") and any(m in mode for m in "wa"):
+            return HalfWritten(f)
+        return f
+
+    monkeypatch.setattr(builtins, "open", fake_open)
+    status, _, stderr = cli([command, "--ckpt_path", str(run)])
+    monkeypatch.undo()
+    lines = error_lines(stderr)
+    assert status == 3 and len(lines) == 1 and "Traceback" not in stderr, stderr
+    assert f"logs/{command}-1/metrics.csv" in lines[0] and "unnamed" not in lines[0], lines[0]
+    assert tree_hash(run) == before, "a partial file or folder was left"
