@@ -14,23 +14,21 @@ import argparse
 import json
 import statistics
 from pathlib import Path
-
-from fedshard_lightning import unlearning
-from fedshard_lightning.data import DigitsDataModule
-from fedshard_lightning.experiments.common import seeded_model, with_seed
-from fedshard_lightning.experiments.compare import _me, method_label
-from fedshard_lightning.metrics.client_alpha import client_alphas
-from fedshard_lightning.models import MLP
-from fedshard_lightning.trainer import FederatedTrainer
-
-CLASSES = {"fedshard": unlearning.FedShard, "fedavg": unlearning.FedAvg, "fats": unlearning.FATS}
+from typing import Any
 
 
-def load(run: Path, seed: int) -> FederatedTrainer:
+def load(run: Path, seed: int) -> Any:
     """The run's trainer with its algorithm restored from the cache, built from the recorded settings."""
+    from fedshard_lightning import unlearning
+    from fedshard_lightning.data import DigitsDataModule
+    from fedshard_lightning.experiments.common import seeded_model, with_seed
+    from fedshard_lightning.models import MLP
+    from fedshard_lightning.trainer import FederatedTrainer
+
+    classes = {"fedshard": unlearning.FedShard, "fedavg": unlearning.FedAvg, "fats": unlearning.FATS}
     version = json.loads((run / "cache" / "CURRENT").read_text())["version"]
     manifest = json.loads((run / "cache" / version / "manifest.json").read_text())
-    algorithm = CLASSES[manifest["algorithm"]](**manifest["hparams"])
+    algorithm = classes[manifest["algorithm"]](**manifest["hparams"])
     trainer = FederatedTrainer(
         algorithm=algorithm,
         default_root_dir=str(run.parent),
@@ -51,6 +49,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, required=True)
     parser.add_argument("runs", nargs="+", type=Path)
     args = parser.parse_args()
+    from fedshard_lightning.experiments.compare import _me, method_label
+    from fedshard_lightning.metrics.client_alpha import client_alphas
+
     rows, alphas = [], None
     for run in args.runs:
         trainer = load(run, args.seed)
