@@ -119,6 +119,15 @@ def _flip(pick: Callable[[Path], Path], offset: int = -5) -> Callable[[Path, Pat
     return damage
 
 
+def _truncate_after(pick: Callable[[Path], Path], marker: bytes) -> Callable[[Path, Path], None]:
+    def damage(run: Path, _: Path) -> None:
+        path = pick(run)
+        data = path.read_bytes()
+        path.write_bytes(data[: data.index(marker) + len(marker)])
+
+    return damage
+
+
 def _truncate(pick: Callable[[Path], Path], keep: float = 0.5) -> Callable[[Path, Path], None]:
     def damage(run: Path, _: Path) -> None:
         path = pick(run)
@@ -395,7 +404,9 @@ CASES: dict[str, Case] = {
     "truncate_config_yaml": Case(
         lambda r, c: ["unlearn", "--ckpt_path", str(r), "--clients", "[1]"],
         "config",
-        _truncate(lambda r: r / "config.yaml", keep=0.37),
+        _truncate_after(
+            lambda r: r / "config.yaml", b"\n  pre"
+        ),  # a key cut in half, whatever the file's length
     ),
     "empty_current": Case(U, "CURRENT", _truncate(lambda r: r / "cache" / "CURRENT", keep=0)),
     # -- missing files
