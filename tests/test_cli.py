@@ -14,6 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = [
     "--data.num_clients",
     "8",
+    "--trainer.algorithm.rounds",  # A2 in a hand-set range: short fits (the default, auto, trains to convergence)
+    "a2",
     "--trainer.algorithm.t1",
     "2",
     "--trainer.algorithm.t0",
@@ -446,6 +448,8 @@ def test_ctrl_c_answers_in_one_line_during_start_up_and_during_training(tmp_path
             "fit",
             "--config",
             "configs/digits.yaml",
+            "--trainer.algorithm.rounds",
+            "a2",
             "--trainer.algorithm.t1",
             "200",
             "--trainer.default_root_dir",
@@ -489,7 +493,14 @@ def test_sigterm_stops_a_fit_like_ctrl_c(tmp_path):
     runs = tmp_path / "runs"
     command = [sys.executable, "-m", "fedshard_lightning", "fit", "--config", "configs/digits.yaml"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    args = ["--trainer.algorithm.t1", "200", "--trainer.default_root_dir", str(runs)]
+    args = [
+        "--trainer.algorithm.rounds",
+        "a2",
+        "--trainer.algorithm.t1",
+        "200",
+        "--trainer.default_root_dir",
+        str(runs),
+    ]
     proc = subprocess.Popen(
         [*command, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )

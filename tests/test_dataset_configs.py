@@ -96,7 +96,7 @@ def test_dataset_config_is_complete(config, capsys, monkeypatch):
     algo = cfg["trainer"]["algorithm"]
     assert algo["class_path"] == "fedshard_lightning.unlearning.FedShard"
     assert algo["init_args"]["merge_rate"] == 2
-    assert (algo["init_args"]["merge"], algo["init_args"]["rounds"]) == ("a1", "a2")
+    assert (algo["init_args"]["merge"], algo["init_args"]["rounds"]) == ("a1", "auto")  # the paper's FedShard
     header = (ROOT / "configs" / config).read_text().split("\nseed_everything")[0]
     assert f"--config configs/{config}" in header, "the header gives the command"
     assert "Expected test accuracy" in header
@@ -128,9 +128,7 @@ def test_cifar100_config_fits_end_to_end(tmp_path, capsys, monkeypatch):
         "4",
         "--model.groups",
         "2",
-        "--trainer.algorithm.t0",
-        "1",
-        "--trainer.algorithm.t1",
+        "--trainer.algorithm.max_rounds",
         "1",
         "--trainer.algorithm.batch_size",
         "8",

@@ -21,7 +21,10 @@ from fedshard_lightning.errors import ConfigError, Terminated
 from fedshard_lightning.no_config import PEER_STOPPED, one_line_errors
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["--data.num_clients", "8", "--trainer.algorithm.t0", "1", "--trainer.algorithm.t1", "1"]
+TINY = [
+    *("--data.num_clients", "8", "--trainer.algorithm.rounds", "a2"),
+    *("--trainer.algorithm.t0", "1", "--trainer.algorithm.t1", "1"),
+]
 TINY += ["--trainer.enable_progress_bar", "false", "--trainer.vectorize", "always"]
 DDP = ["--trainer.strategy", "ddp", "--trainer.devices", "2"]
 LOST = "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:6360. This is typically ..."

@@ -92,7 +92,7 @@ def test_ddp_processes_with_different_seeds_are_refused(tmp_path: Path):
             from fedshard_lightning.models import MLP
             from fedshard_lightning.unlearning import FedShard
             rank = int(os.environ.get("LOCAL_RANK", "0"))
-            tr = FederatedTrainer(FedShard(t0=1, t1=1), strategy="ddp", devices=2, seed=7 + rank,
+            tr = FederatedTrainer(FedShard(rounds="a2", t0=1, t1=1), strategy="ddp", devices=2, seed=7 + rank,
                                   default_root_dir={str(tmp_path / "runs")!r}, enable_progress_bar=False)
             try:
                 tr.fit(tiny_model(MLP), tiny_data((6,), per_client=12, classes=3, partition="iid"))

@@ -14,7 +14,10 @@ import pytest
 from fedshard_lightning.cli import main
 from fedshard_lightning.runs import format_runs, list_runs
 
-TINY = ["--data.num_clients", "8", "--trainer.algorithm.t1", "2", "--trainer.algorithm.t0", "1"]
+TINY = [
+    *("--data.num_clients", "8", "--trainer.algorithm.rounds", "a2"),
+    *("--trainer.algorithm.t1", "2", "--trainer.algorithm.t0", "1"),
+]
 
 
 def test_runs_lists_complete_interrupted_and_unlearned_runs(run_root, capsys):

@@ -25,9 +25,11 @@ was forgotten), and ``M_p_request`` is ``M_p({c})``.
 Client alphas (SPEC section 4): one probe round of every client from the fitted model,
 :func:`~fedshard_lightning.metrics.client_alpha.client_alphas`.
 
-``M_e`` (SPEC section 8) is computed with the costs in seconds when measured (``M_e_seconds``) and
-in client-steps always (``M_e_steps``, deterministic); ``summary["M_e"]`` is the seconds version
-in measured mode and the client-step version in predicted mode.
+``M_e`` (SPEC section 8) is computed with the costs in seconds when measured (``M_e_seconds``),
+in client-steps always (``M_e_steps``, deterministic) and in latency steps for every client where
+the method predicts it (``M_e_latency``: each retrained round costs its slowest participant's
+steps, :meth:`~fedshard_lightning.unlearning.Algorithm.predict_latency`); ``summary["M_e"]`` is the
+seconds version in measured mode and the client-step version in predicted mode.
 
 Membership inference (SPEC section 10, :mod:`fedshard_lightning.metrics.mia`): see
 :class:`~fedshard_lightning.metrics.membership.MembershipAudit`. Per-request drops and M_p come
@@ -81,6 +83,7 @@ CLIENT_COLUMNS = (
     "alpha",
     "Z_steps",
     "Z_steps_predicted",
+    "Z_latency",
     "Z_seconds",
     "acc_before",
     "acc_after",
@@ -89,6 +92,14 @@ CLIENT_COLUMNS = (
     "measured",
 )
 """Columns of ``fairness/clients.csv`` (and of the W&B table)."""
+
+
+def latencies(alg: Any, clients: Sequence[int]) -> dict[int, int]:
+    """``predict_latency([c])`` of every client; empty for a method that does not predict latency."""
+    try:
+        return {c: int(alg.predict_latency([c])) for c in clients}
+    except NotImplementedError:
+        return {}
 
 
 @dataclass
@@ -224,6 +235,7 @@ class UnlearningReplay(FederatedCallback):
         acc_before = per_client_accuracy(module, reference, dm, split)
         sizes = dm.client_sizes
         z_pred = {c: int(alg.predict_cost([c])) for c in population}
+        z_lat = latencies(alg, population)
 
         audit = None
         if self.mia:
@@ -240,6 +252,7 @@ class UnlearningReplay(FederatedCallback):
         me_steps = self._me([z_steps[c] if measured else z_pred[c] for c in me_clients], alphas[me_clients])
         me_pred = self._me([z_pred[c] for c in population], pop_alpha)
         me_sec = self._me([z_sec[c] for c in chosen], alphas[chosen]) if z_sec else None
+        me_lat = self._me([z_lat[c] for c in population], pop_alpha) if z_lat else None
 
         self.rows = []
         for c in population:
@@ -252,6 +265,7 @@ class UnlearningReplay(FederatedCallback):
                     "alpha": float(alphas[c]),
                     "Z_steps": z_steps.get(c, z_pred[c]),
                     "Z_steps_predicted": z_pred[c],
+                    "Z_latency": z_lat.get(c),
                     "Z_seconds": z_sec.get(c),
                     "acc_before": before,
                     "acc_after": after_c,
@@ -275,6 +289,7 @@ class UnlearningReplay(FederatedCallback):
             "M_e": me_sec if measured else me_steps,
             "M_e_steps": me_steps,
             "M_e_steps_predicted": me_pred,
+            "M_e_latency": me_lat,
             "M_e_seconds": me_sec,
             "M_p": (sum(mp_values) / len(mp_values)) if mp_values else None,
             "M_p_median": statistics.median(mp_values) if mp_values else None,

@@ -200,6 +200,10 @@ class FederatedEngine:
         """Optimizer steps these clients take in one round (the cost unit)."""
         return int(sum(self.schedule.num_steps(int(self.sizes[c])) for c in clients))
 
+    def latency_of(self, clients: Sequence[int]) -> int:
+        """Steps of one round when these clients train in parallel: the slowest one's (SPEC section 8)."""
+        return max((self.schedule.num_steps(int(self.sizes[c])) for c in clients), default=0)
+
     def participants(self, stage: int, group: Group, round_: int) -> list[int]:
         """This round's participants of ``group``, from the engine's participant policy."""
         return self.policy(stage, group, round_)

@@ -9,8 +9,10 @@ repeats everything per seed (data partition and training seed) and reports mean 
 
 Per method: ``t`` (mean unlearning seconds per request), the mean cost in client-steps per
 request, the standard deviation over clients of the cost in client-steps (M_e without the
-``1/|alpha|`` weights, which one client with a near-zero alpha can dominate), ``M_e`` in client-steps (every client, exact predicted costs) and in seconds (the measured
-clients) as separate columns, ``M_p``, membership-inference F1 before and after, test accuracy
+``1/|alpha|`` weights, which one client with a near-zero alpha can dominate), and ``M_e`` under
+the three cost models of SPEC section 8 as separate columns: client-steps (every client, exact
+predicted costs), latency (every client, exact: each retrained round costs its slowest
+participant's steps, shards of a stage retrain in parallel) and seconds (the measured clients), ``M_p``, membership-inference F1 before and after, test accuracy
 before and after, and FedAvg retraining's cost over the method's (client-steps). ``M_e`` and
 ``M_p`` use the client alphas of the first method's model for every method (SPEC section 4: methods
 compared side by side share one reference): its replay probes them, the others' replays are given them.
@@ -34,7 +36,7 @@ from typing import Any, Literal
 import lightning as L
 import torch
 
-from fedshard_lightning.callbacks.replay import UnlearningReplay
+from fedshard_lightning.callbacks.replay import UnlearningReplay, latencies
 from fedshard_lightning.callbacks.task_progress import TaskProgress
 from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.errors import ConfigError
@@ -79,6 +81,12 @@ def _check_same_schedule(algorithms: list[Algorithm]) -> None:
             )
 
 
+def method_label(algorithm: Algorithm) -> str:
+    """A comparison row's name: the method, with its variant where it runs one (``fedshard (rounds: stage_a2)``)."""
+    variant = getattr(algorithm, "variant", "")
+    return f"{algorithm.name} ({variant})" if variant else algorithm.name
+
+
 def _me(costs: list[float], alphas: list[float], eps: float) -> float | None:
     if not costs:
         return None
@@ -105,6 +113,7 @@ def compare(
     precision: str = "32-true",
     accelerator: str = "cpu",
     vectorize: Literal["auto", "always", "never"] = "auto",
+    replay: Literal["measured", "predicted"] = "measured",
 ) -> dict[str, Any]:
     """Train every method at the same budget, unlearn the same clients, write the comparison tables.
 
@@ -127,18 +136,24 @@ def compare(
         precision: Trainer precision.
         accelerator: Trainer accelerator.
         vectorize: Trainer vectorization mode.
+        replay: ``measured`` unlearns the chosen clients for real (seconds, M_p, MIA after);
+            ``predicted`` only computes the deterministic costs (client-steps, latency) of every
+            client from the fitted state, which is much faster for methods such as FATS whose
+            unlearning reruns most of the training.
 
     Returns:
         ``{"rows": [...], "summary": [...], "clients": [...], "output": path}``.
     """
     model, data, algorithms = _defaults(model, data, algorithms)
-    names = [a.name for a in algorithms]
+    names = [method_label(a) for a in algorithms]
     if len(set(names)) != len(names):
-        raise ConfigError(f"algorithms: each method may appear once, got {names}")
+        raise ConfigError(f"algorithms: each method (and variant) may appear once, got {names}")
     if budget not in ("match", "as_configured"):
         raise ConfigError(f"budget={budget!r}: choose match or as_configured")
     if vectorize not in ("auto", "always", "never"):
         raise ConfigError(f"vectorize={vectorize!r}: choose auto, always or never")
+    if replay not in ("measured", "predicted"):
+        raise ConfigError(f"replay={replay!r}: choose measured or predicted")
     if isinstance(eps_alpha, bool) or not isinstance(eps_alpha, (int, float)) or not 0 < eps_alpha < math.inf:
         raise ConfigError(f"eps_alpha={eps_alpha!r}: must be a positive finite number (e.g. 1e-6)")
     _check_same_schedule(algorithms)
@@ -175,6 +190,7 @@ def compare(
             vectorize,
             out,
             progress,
+            replay,
         )
         for r in seed_rows:
             dist_steps[r["method"]].extend(r.pop("_z_steps"))
@@ -212,6 +228,7 @@ def _run_seed(
     vectorize: str,
     out: Path,
     progress: TaskProgress,
+    replay_mode: str = "measured",
 ) -> list[dict[str, Any]]:
     """Fit and replay every method for one seed; the first method fixes the budget and the alphas.
 
@@ -229,13 +246,14 @@ def _run_seed(
         if budget == "match" and i > 0:
             alg, how = match_budget(template, ref_budget, step_counts)
         replay = UnlearningReplay(
-            mode="measured", clients=list(clients), seed=seed, mia=mia, plots=False, alphas=ref_alpha
+            mode=replay_mode, clients=list(clients), seed=seed, mia=mia, plots=False, alphas=ref_alpha
         )
         trainer = FederatedTrainer(
             algorithm=alg,
             callbacks=[replay],
             default_root_dir=str(out / "runs"),
-            run_name=f"{alg.name}-s{seed}-{time.strftime('%Y%m%d-%H%M%S')}",
+            run_name=f"{alg.name}{'-' + str(i) if method_label(alg) != alg.name else ''}-s{seed}-"
+            f"{time.strftime('%Y%m%d-%H%M%S')}",
             precision=precision,
             accelerator=accelerator,
             vectorize=vectorize,
@@ -255,10 +273,11 @@ def _run_seed(
         s = replay.summary or {}
         # every client's exact cost, predicted from the fitted state (the replay restored it)
         z_steps = [float(alg.predict_cost([c])) for c in range(k)]
+        z_latency = [float(z) for z in latencies(alg, range(k)).values()]
         measured = [r for r in replay.rows if r["measured"] and r["Z_seconds"] is not None]
         z_sec = [float(r["Z_seconds"]) for r in measured]
         row = {
-            "method": alg.name,
+            "method": method_label(alg),
             "seed": seed,
             "fit_client_steps": int(metrics["client_steps"]),
             "test_accuracy": metrics["test_accuracy"],
@@ -267,6 +286,7 @@ def _run_seed(
             "cost_std_steps": statistics.pstdev(z_steps) if z_steps else None,
             "clients_in_M_e_steps": len(z_steps),
             "M_e_steps": _me(z_steps, [ref_alpha[c] for c in range(k)], eps_alpha),
+            "M_e_latency": _me(z_latency, [ref_alpha[c] for c in range(k)], eps_alpha),
             "M_e_seconds": _me(z_sec, [ref_alpha[r["client"]] for r in measured], eps_alpha),
             "M_p": s.get("M_p"),
             "mia_f1_before": s.get("mia_f1_before"),
@@ -286,7 +306,7 @@ def _run_seed(
         spent = metrics["client_steps"] + sum(r["Z_steps"] for r in replay.rows if r["measured"])
         progress.update(
             spent,
-            f"method {progress.items_done + 1}/{progress.items} {alg.name} (seed {seed}) done · "
+            f"method {progress.items_done + 1}/{progress.items} {method_label(alg)} (seed {seed}) done · "
             f"test_accuracy {metrics['test_accuracy']:.4f}",
             item=True,
         )

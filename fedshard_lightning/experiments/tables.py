@@ -24,6 +24,7 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("client_steps", "cost (client-steps / request)", r"cost (steps)"),
     ("cost_std_steps", "cost std over clients (client-steps)", r"std (steps)"),
     ("M_e_steps", "M_e (client-steps^2 / rad)", r"$M_e$ (steps$^2$/rad)"),
+    ("M_e_latency", "M_e latency (steps^2 / rad)", r"$M_e$ lat. (steps$^2$/rad)"),
     ("M_e_seconds", "M_e (s^2 / rad)", r"$M_e$ (s$^2$/rad)"),
     ("M_p", "M_p (unitless, >= 4)", r"$M_p$"),
     ("mia_f1_before", "MIA F1 before (fraction)", r"F1 before"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 from fedshard_lightning.sharding.contribution import flatten_update, signed_angles, unflatten_update
 from fedshard_lightning.sharding.costs import (
     StageCosts,
+    eq7_weights,
     expected_future_costs,
     predicted_m_e,
     refine_by_swaps,
@@ -28,6 +29,7 @@ from fedshard_lightning.sharding.rounds import (
     ConvergenceTracker,
     FixedRounds,
     RoundPolicy,
+    StageA2Rounds,
     a2_rounds,
 )
 from fedshard_lightning.sharding.tree import Shard, ShardTree, num_stages
@@ -43,9 +45,11 @@ __all__ = [
     "RoundPolicy",
     "Shard",
     "ShardTree",
+    "StageA2Rounds",
     "StageCosts",
     "a1_grouping",
     "a2_rounds",
+    "eq7_weights",
     "expected_future_costs",
     "flatten_update",
     "group_capacities",

@@ -16,9 +16,11 @@ Choices of ours, all because A1 runs *during* training, before the quantities ex
   remaining ones); at the last stage (``n = K``) it is exact: ``T * (S - s_c)``. This term carries
   the fact that large clients are cheap to unlearn at the top of the tree, so A1 can offset it
   lower down.
-- Weights: paper's ``M_e`` divides by ``|alpha_c|`` of the *client* contribution angles, which
-  come from a probe round after training; during training A1 uses uniform weights (the variance of
-  the predicted costs) unless the caller passes weights.
+- Weights: the paper's ``M_e`` (eq. 7) divides by ``|alpha_c|`` of the *client* contribution
+  angles, which come from a probe round after training. During training a client's alpha is
+  taken from its stage-1 shard's update (SPEC section 5; :func:`eq7_weights`), so from stage 2
+  on ``allocateChildShard`` minimises eq. 7 with ``w_c = 1 / max(|alpha_c|, eps_alpha)``. Before
+  any alpha exists (stage 1) the weights are uniform (the variance of the predicted costs).
 """
 
 from __future__ import annotations
@@ -28,7 +30,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["StageCosts", "expected_future_costs", "predicted_m_e", "refine_by_swaps", "tree_client_costs"]
+__all__ = [
+    "StageCosts",
+    "eq7_weights",
+    "expected_future_costs",
+    "predicted_m_e",
+    "refine_by_swaps",
+    "tree_client_costs",
+]
 
 
 def tree_client_costs(
@@ -77,6 +86,29 @@ def expected_future_costs(
         mean_size = k / n_shards
         total += float(rounds) * (mean_size - 1.0) * others / (k - 1)
     return total
+
+
+def eq7_weights(
+    shard_clients: Sequence[Sequence[int]], shard_alphas: Sequence[float], num_clients: int, eps: float = 1e-6
+) -> np.ndarray:
+    """Paper eq. 7's weights ``1 / max(|alpha_c|, eps)``, every client's alpha its shard's.
+
+    Args:
+        shard_clients: Clients of every shard of one stage (stage 1: SPEC section 5's stand-in for
+            the client alphas, which exist only after training).
+        shard_alphas: Signed alpha of every such shard.
+        num_clients: ``K``; every client must be in exactly one shard.
+        eps: ``eps_alpha`` (SPEC section 8), the floor that keeps a zero alpha finite.
+
+    Returns:
+        ``w_c`` for every client.
+    """
+    a = np.full(num_clients, np.nan)
+    for clients, alpha in zip(shard_clients, shard_alphas):
+        a[np.asarray(list(clients), dtype=np.int64)] = abs(float(alpha))
+    if np.isnan(a).any():
+        raise ValueError("every client must belong to one shard of the stage")
+    return 1.0 / np.maximum(a, eps)
 
 
 def predicted_m_e(costs: np.ndarray, weights: np.ndarray | None = None) -> float:

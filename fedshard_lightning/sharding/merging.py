@@ -17,22 +17,22 @@ Departures from the paper and choices of ours (SPEC section 5 decides the first 
   (the first parts take the extra one, as ``numpy.array_split`` does).
 - Group capacities: ``R`` for every group except the last, which takes ``n - R * (N - 1)``.
 - ``allocateChildShard`` (``allocation="cost"``, the default, paper Algorithm 2 as SPEC section 5
-  states it): the candidate whose addition gives the lowest ``M_e`` of the predicted per-client
-  unlearning costs (:mod:`~fedshard_lightning.sharding.costs`: client-steps from the tree, the
-  expected rounds of this stage and the expected cost of the later stages). Half-filled groups
-  and unplaced shards are projected: each free slot is counted at the mean step sum of the shards
-  not yet placed, and an unplaced shard is counted in an average group. Every candidate is scored
-  in O(1) from running sums (no per-client pass), so it scales to thousands of shards. With
-  cost information, stage 1 (all alphas equal) is one cluster filled by the same rule rather
-  than a random grouping: the paper's "randomly picking" knows no costs, we know every client's
-  steps. Ties (equal predicted M_e to 1e-9 relative): smallest ``|alpha|``, then a seeded random
-  order, so equal-sized clients are still grouped at random. When the round policy can say before
-  training what each group will get (``StageCosts.rounds_fn``: A2, fixed), the greedy grouping is
-  then refined by swaps of same-cluster children under those exact rounds
-  (:func:`~fedshard_lightning.sharding.costs.refine_by_swaps`). Measured on digits (docs/fairness.md):
-  with equal rounds this cuts the spread of the unlearning costs 2.7x against count balancing; with
-  A2 in [2, 8] the rounds of the later stages, which A1 cannot know, dominate and the two
-  allocations end equal.
+  states it): the candidate whose addition gives the lowest ``M_e`` (paper eq. 7, with its
+  ``1 / |alpha_c|`` weights) of the predicted per-client unlearning costs
+  (:mod:`~fedshard_lightning.sharding.costs`: client-steps from the tree, the expected rounds of
+  this stage and the expected cost of the later stages). Half-filled groups and unplaced shards
+  are projected: each free slot is counted at the mean step sum of the shards not yet placed, and
+  an unplaced shard is counted in an average group. Every candidate is scored in O(1) from running
+  sums (no per-client pass), so it scales to thousands of shards. Ties (equal predicted M_e to
+  1e-9 relative): smallest ``|alpha|``, then a seeded random order.
+- Our variants, each a named option off by default (measured in the ablation, docs/fairness.md):
+  ``random_start=False`` fills stage 1 (all alphas equal) by the same cost rule instead of the
+  paper's random grouping (we know every client's steps, the paper's "randomly picking" does not);
+  ``refine=True`` refines the greedy grouping by swaps of same-cluster children under the rounds
+  the round policy will give (:func:`~fedshard_lightning.sharding.costs.refine_by_swaps`), when
+  it can say them before training (A2 with a fixed range, fixed rounds); ``weighting="uniform"``
+  drops eq. 7's ``1 / |alpha_c|`` weights (the variance of the predicted costs), which a client
+  with a near-zero alpha can otherwise dominate. ``FedShard(merge="a1_cost")`` switches all three.
 - ``allocation="count"`` (the first implementation, kept for the ablation, and used whenever no
   :class:`StageCosts` is given): the shard whose addition keeps the groups' client counts most
   even, measured by the variance, over all groups, of the *projected* client counts: a group's
@@ -54,6 +54,7 @@ grouping, and so is the mean over groups of ``|mean alpha|`` (SPEC section 5 pro
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from collections.abc import Sequence
@@ -133,13 +134,17 @@ class A1Merge(MergePolicy):
         allocation: ``cost`` (the paper's ``allocateChildShard``: lowest predicted M_e of the
             unlearning costs) or ``count`` (balance client counts; the ablation of the first
             implementation).
-        random_start: Group stage 1 (all alphas equal) at random, as SPEC section 5 step 1 says,
-            also when the costs are known (default: fill it by the costs, which balances them).
+        random_start: Group stage 1 (all alphas equal) at random, as SPEC section 5 step 1 says
+            (default); False fills it by the predicted costs (our variant).
         refine: Refine the greedy groups by swaps of same-cluster children under the known rounds
-            (default); False keeps SPEC section 5's steps 4-6 alone.
+            (our variant); False (default) keeps SPEC section 5's steps 4-6 alone.
+        weighting: ``alpha`` (default): the M_e of ``allocateChildShard`` weighs every client by
+            ``1 / max(|alpha_c|, eps)`` (paper eq. 7, the weights the costs carry); ``uniform``:
+            every client alike (our variant).
 
     Raises:
-        ConfigError: If ``n_init`` is not a positive integer or ``allocation`` is unknown.
+        ConfigError: If ``n_init`` is not a positive integer, or ``allocation`` or ``weighting``
+            is unknown.
     """
 
     needs_costs = True
@@ -148,21 +153,31 @@ class A1Merge(MergePolicy):
         self,
         n_init: int = 10,
         allocation: Literal["cost", "count"] = "cost",
-        random_start: bool = False,
-        refine: bool = True,
+        random_start: bool = True,
+        refine: bool = False,
+        weighting: Literal["alpha", "uniform"] = "alpha",
     ) -> None:
         if isinstance(n_init, bool) or not isinstance(n_init, int) or n_init < 1:
             raise ConfigError(f"n_init={n_init!r} must be an integer >= 1 (KMeans initializations)")
         _check_allocation(allocation)
+        if weighting not in ("alpha", "uniform"):
+            raise ConfigError(
+                f"weighting={weighting!r}: choose alpha (paper eq. 7, 1/|alpha_c|) or uniform (our variant)"
+            )
         self.n_init = n_init
         self.allocation = allocation
         self.random_start, self.refine = bool(random_start), bool(refine)
+        self.weighting = weighting
 
     def __repr__(self) -> str:
-        """The arguments, the SPEC switches only where set: a run's fingerprint stays what it was."""
+        """The arguments, the variants only where set (the paper's defaults keep the repr short)."""
         extra = "".join(
             f", {k}={v!r}"
-            for k, v, d in (("random_start", self.random_start, False), ("refine", self.refine, True))
+            for k, v, d in (
+                ("random_start", self.random_start, True),
+                ("refine", self.refine, False),
+                ("weighting", self.weighting, "alpha"),
+            )
             if v != d
         )
         return f"A1Merge(n_init={self.n_init!r}, allocation={self.allocation!r}{extra})"
@@ -176,6 +191,8 @@ class A1Merge(MergePolicy):
         costs: StageCosts | None = None,
     ) -> list[list[int]]:
         """Group the shards by A1; see :func:`a1_grouping`."""
+        if costs is not None and self.weighting == "uniform":
+            costs = dataclasses.replace(costs, weights=None)
         return a1_grouping(
             alphas,
             client_counts,
@@ -229,8 +246,8 @@ def a1_grouping(
     seed: int,
     n_init: int = 10,
     costs: StageCosts | None = None,
-    random_start: bool = False,
-    refine: bool = True,
+    random_start: bool = True,
+    refine: bool = False,
 ) -> list[list[int]]:
     """FedShard's A1 grouping, SPEC section 5 steps 1-6 (see the module docstring for the rules).
 
@@ -243,8 +260,9 @@ def a1_grouping(
         n_init: Number of KMeans initializations.
         costs: Predicted unlearning costs: ``allocateChildShard`` minimises their M_e. None: it
             balances client counts instead.
-        random_start: All alphas equal (stage 1): a random grouping even with ``costs``.
-        refine: With ``costs`` that know the rounds, refine the groups by swaps.
+        random_start: All alphas equal (stage 1): a random grouping even with ``costs`` (the
+            paper); False fills stage 1 by the costs (our variant).
+        refine: With ``costs`` that know the rounds, refine the groups by swaps (our variant).
 
     Returns:
         The groups in canonical order (see :meth:`MergePolicy.group`).

@@ -31,7 +31,15 @@ from typing import Any
 from fedshard_lightning.errors import ConfigError
 from fedshard_lightning.limits import MAX_COUNT
 
-__all__ = ["A2Rounds", "AutoRounds", "ConvergenceTracker", "FixedRounds", "RoundPolicy", "a2_rounds"]
+__all__ = [
+    "A2Rounds",
+    "AutoRounds",
+    "ConvergenceTracker",
+    "FixedRounds",
+    "RoundPolicy",
+    "StageA2Rounds",
+    "a2_rounds",
+]
 
 
 def _check_int(name: str, value: object, minimum: int, fix: str = "") -> int:
@@ -389,3 +397,60 @@ class ConvergenceTracker:
     def done(self) -> bool:
         """Whether every shard has stopped."""
         return all(self._stopped)
+
+
+class StageA2Rounds(AutoRounds):
+    """Our variant of ``auto``: A2's rule over whole stages, every shard of a stage the same rounds.
+
+    Why: A2's min-max scaling gives one shard of every stage ``T0`` rounds and another ``T1``, and
+    per-shard convergence in the calibration stages stops every shard at its own round, so the
+    cost of unlearning a client depends on which shards it fell into: that spread is what M_e
+    measures. Sharing the rounds within a stage removes it and keeps A2's intent (more rounds
+    where the children agree) between stages:
+
+    - calibration stages (``1..calibration_stages``): all shards of the stage train until the mean
+      of their losses stops improving (one :class:`ConvergenceTracker` on the mean), so all stop
+      at the same round; those counts become ``[T0, T1]``;
+    - later stages: every shard gets the mean, rounded half up, of the rounds A2 would give the
+      stage's shards over ``[T0, T1]`` (the final stage, one shard: ``T1``).
+
+    Args and errors as :class:`AutoRounds`.
+    """
+
+    def make_tracker(self, num_groups: int) -> ConvergenceTracker:
+        """One tracker on the mean loss of the stage's shards, its verdict shared by all of them."""
+        return _SharedTracker(num_groups, self.tolerance, self.patience, self.max_rounds)
+
+    def rounds(self, stage: int, children_alphas: Sequence[Sequence[float]]) -> list[int]:
+        """``max_rounds`` while calibrating; afterwards the stage's mean A2 rounds for every shard."""
+        per_shard = super().rounds(stage, children_alphas)
+        if self.calibrating(stage) or not per_shard:
+            return per_shard
+        shared = math.floor(math.fsum(per_shard) / len(per_shard) + 0.5)
+        return [shared] * len(per_shard)
+
+
+class _SharedTracker(ConvergenceTracker):
+    """:class:`ConvergenceTracker` of one group, the mean loss of ``num_groups`` shards, for all of them."""
+
+    def __init__(self, num_groups: int, tolerance: float, patience: int, max_rounds: int) -> None:
+        super().__init__(1, tolerance, patience, max_rounds)
+        self._shards = _check_int("num_groups", num_groups, 0)
+
+    def update(self, losses: Sequence[float]) -> list[bool]:
+        """Record the mean of the shards' losses; every shard stops when the mean has converged."""
+        if len(losses) != self._shards:
+            raise ValueError(f"expected {self._shards} losses, got {len(losses)}")
+        live = [float(x) for x in losses if math.isfinite(float(x))]
+        mean = math.fsum(live) / len(live) if live else float("nan")
+        return super().update([mean]) * self._shards
+
+    @property
+    def rounds_used(self) -> list[int]:
+        """The same rounds for every shard."""
+        return super().rounds_used * self._shards
+
+    @property
+    def stopped(self) -> list[bool]:
+        """The same verdict for every shard."""
+        return super().stopped * self._shards

@@ -393,6 +393,14 @@ class Algorithm(RecordsInitArgs):
         """Client-steps of retraining from scratch without ``clients`` (the reference cost)."""
         raise NotImplementedError
 
+    def predict_latency(self, clients: Sequence[int]) -> int:
+        """Latency of :meth:`unlearn` in steps, computed before running it (SPEC section 8).
+
+        Clients train in parallel as in a deployment: a round costs its slowest participant's
+        local steps, and groups retrained side by side cost their slowest one.
+        """
+        raise NotImplementedError
+
     def unlearn(self, clients: Sequence[int]) -> UnlearnResult:
         """Remove ``clients``' contribution; update the state so that later requests accumulate."""
         raise NotImplementedError

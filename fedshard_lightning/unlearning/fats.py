@@ -151,12 +151,10 @@ class FATS(FedAvg):
         leaving = set(clients)
         return next((r for r, p in enumerate(self.participants) if leaving & set(p)), None)
 
-    def _cost_from(self, first: int, clients: Sequence[int]) -> int:
+    def _cost_from(self, first: int, clients: Sequence[int], latency: bool = False) -> int:
         group = Group(0, tuple(clients), 1)
-        return sum(
-            self.engine.client_steps_of(self.engine.participants(r, group, 0))
-            for r in range(first, self.rounds)
-        )
+        per_round = self.engine.latency_of if latency else self.engine.client_steps_of
+        return sum(per_round(self.engine.participants(r, group, 0)) for r in range(first, self.rounds))
 
     def predict_cost(self, clients: Sequence[int]) -> int:
         """Steps of the rounds from the first participation on, re-sampled without ``clients``."""
@@ -166,6 +164,11 @@ class FATS(FedAvg):
     def retrain_cost(self, clients: Sequence[int]) -> int:
         """Steps of FATS retrained from scratch without ``clients``."""
         return self._cost_from(0, self.remaining(clients))
+
+    def predict_latency(self, clients: Sequence[int]) -> int:
+        """The slowest re-sampled participant of every round from the first participation on."""
+        first = self.first_round(clients)
+        return 0 if first is None else self._cost_from(first, self.remaining(clients), latency=True)
 
     # -- unlearning -------------------------------------------------------------------------------
     def unlearn(self, clients: Sequence[int]) -> UnlearnResult:

@@ -67,17 +67,20 @@ class FedAvg(Algorithm):
         """The current global model."""
         return self.params
 
-    def _cost(self, clients: Sequence[int]) -> int:
+    def _cost(self, clients: Sequence[int], latency: bool = False) -> int:
         group = Group(0, tuple(clients), self.rounds)
-        return sum(
-            self.engine.client_steps_of(self.engine.participants(0, group, r)) for r in range(self.rounds)
-        )
+        per_round = self.engine.latency_of if latency else self.engine.client_steps_of
+        return sum(per_round(self.engine.participants(0, group, r)) for r in range(self.rounds))
 
     def predict_cost(self, clients: Sequence[int]) -> int:
         """Retraining the remaining clients for every round."""
         return self._cost(self.remaining(clients))
 
     retrain_cost = predict_cost
+
+    def predict_latency(self, clients: Sequence[int]) -> int:
+        """Every round's slowest remaining participant, over every round."""
+        return self._cost(self.remaining(clients), latency=True)
 
     def unlearn(self, clients: Sequence[int]) -> UnlearnResult:
         """Retrain from theta^0 without ``clients`` (and without every earlier unlearned client)."""

@@ -177,6 +177,12 @@ class FedEraser(HistoryFedAvg):
             if not self._reused(r)
         )
 
+    def predict_latency(self, clients: Sequence[int]) -> int:
+        """The slowest remaining participant's calibration steps of every retained round."""
+        return sum(
+            self.calibration_engine.latency_of(cl) for r, cl in self._plan(clients) if not self._reused(r)
+        )
+
     def _reused(self, r: int) -> bool:
         return self.reuse_first_round and r == 0
 

@@ -175,6 +175,13 @@ class FedRecover(HistoryFedAvg):
             if self.is_exact(t)
         )
 
+    def predict_latency(self, clients: Sequence[int]) -> int:
+        """The slowest remaining participant of every exact round; estimated rounds are free."""
+        rest = self.remaining(clients)
+        return sum(
+            self.engine.latency_of(self.participants(t, rest)) for t in range(self.rounds) if self.is_exact(t)
+        )
+
     def _flat(self, params: dict[str, Tensor], stacked: bool = False) -> Tensor:
         names = self.engine.names
         if stacked:

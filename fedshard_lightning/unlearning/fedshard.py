@@ -44,6 +44,7 @@ from fedshard_lightning.sharding import (
     RandomMerge,
     RoundPolicy,
     ShardTree,
+    StageA2Rounds,
     flatten_update,
     num_stages,
     signed_angles,
@@ -57,7 +58,11 @@ __all__ = ["FedShard", "ShardRecord"]
 
 
 def _merge_policy(merge: str | MergePolicy) -> MergePolicy:
-    a1 = {"a1": {}, "a1_count": {"allocation": "count"}, "a1_spec": {"random_start": True, "refine": False}}
+    a1 = {
+        "a1": {},
+        "a1_cost": {"random_start": False, "refine": True, "weighting": "uniform"},
+        "a1_count": {"allocation": "count"},
+    }
     if isinstance(merge, MergePolicy):
         return merge
     if merge in a1:
@@ -65,7 +70,7 @@ def _merge_policy(merge: str | MergePolicy) -> MergePolicy:
     if merge == "random":
         return RandomMerge()
     raise ConfigError(
-        f"algorithm.merge={merge!r}: choose a1, a1_spec, a1_count, random or a MergePolicy class_path"
+        f"algorithm.merge={merge!r}: choose a1, a1_cost, a1_count, random or a MergePolicy class_path"
     )
 
 
@@ -74,17 +79,25 @@ class FedShard(ShardCosts, ShardCache, Algorithm):
 
     Args:
         merge_rate: R, children per merged shard (>= 2).
-        merge: ``a1`` (direction-balanced, the paper's A1, whose ``allocateChildShard`` picks the
-            child of lowest predicted M_e of the unlearning costs), ``a1_count`` (A1 balancing
-            client counts instead, the first implementation, for the ablation), ``a1_spec`` (A1 as
-            SPEC section 5 states it: stage 1 at random, no swap refinement), ``random`` (naive
-            sharding) or a :class:`~fedshard_lightning.sharding.MergePolicy`.
-        rounds: ``a2`` (A2 within [t0, t1]), ``fixed`` (``fixed_rounds`` everywhere), ``auto``
-            (A2 with [T0, T1] measured by training stages 1-2 to convergence), or a
+        merge: ``a1`` (the paper's A1 as SPEC section 5 states it: stage 1 at random, then
+            direction-balanced merging whose ``allocateChildShard`` picks the child of lowest eq. 7
+            M_e, ``1 / |alpha_c|`` weights, of the predicted unlearning costs; no further pass),
+            ``a1_cost`` (our variant: stage 1 filled by the costs too, uniform weights, swap
+            refinement under known rounds), ``a1_count`` (A1 balancing client counts, the first
+            implementation), ``random`` (naive sharding) or a
+            :class:`~fedshard_lightning.sharding.MergePolicy`.
+        rounds: ``auto`` (the paper, Appendix D.3: stages 1-2 train to convergence, the fewest and
+            most rounds seen become [T0, T1] of A2 for the later stages), ``a2`` (A2 within a
+            hand-set [t0, t1]), ``stage_a2`` (our variant: A2's rule over whole stages, every shard
+            of a stage the same rounds, :class:`~fedshard_lightning.sharding.StageA2Rounds`),
+            ``fixed`` (``fixed_rounds`` everywhere), or a
             :class:`~fedshard_lightning.sharding.RoundPolicy`.
-        t0: Fewest rounds of A2.
-        t1: Most rounds of A2 (also the rounds of stage 1 and of the last stage, SPEC section 5).
+        t0: Fewest rounds of ``a2``.
+        t1: Most rounds of ``a2`` (also the rounds of stage 1 and of the last stage, SPEC section 5).
         fixed_rounds: Rounds per shard for ``rounds: fixed``.
+        max_rounds: ``auto``: cap on the rounds of a shard trained to convergence.
+        tolerance: ``auto``: relative loss improvement below which a round counts as none.
+        patience: ``auto``: rounds without improvement after which a shard has converged.
         merge_weighting: Aggregation weight of a client: ``clients`` (1 per client, the paper) or
             ``samples`` (its number of training samples).
         **kwargs: Local training settings, see :class:`~fedshard_lightning.unlearning.base.Algorithm`.
@@ -98,11 +111,14 @@ class FedShard(ShardCosts, ShardCache, Algorithm):
     def __init__(
         self,
         merge_rate: int = 2,
-        merge: Literal["a1", "a1_spec", "a1_count", "random"] | MergePolicy = "a1",
-        rounds: Literal["a2", "fixed", "auto"] | RoundPolicy = "a2",
+        merge: Literal["a1", "a1_cost", "a1_count", "random"] | MergePolicy = "a1",
+        rounds: Literal["auto", "a2", "stage_a2", "fixed"] | RoundPolicy = "auto",
         t0: int = 2,
         t1: int = 8,
         fixed_rounds: int = 5,
+        max_rounds: int = 30,
+        tolerance: float = 1e-3,
+        patience: int = 2,
         merge_weighting: Literal["clients", "samples"] = "clients",
         **kwargs: Any,
     ) -> None:
@@ -118,17 +134,25 @@ class FedShard(ShardCosts, ShardCache, Algorithm):
             raise ConfigError(f"algorithm.t0={t0!r}, algorithm.t1={t1!r}: need integers with 1 <= t0 <= t1")
         self.merge_rate = merge_rate
         self.merge_policy = _merge_policy(merge)
+        self._choices = (
+            merge if isinstance(merge, str) else type(merge).__name__,
+            rounds if isinstance(rounds, str) else type(rounds).__name__,
+        )
         if isinstance(rounds, RoundPolicy):
             self.round_policy = rounds
         elif rounds == "a2":
             self.round_policy = A2Rounds(t0, t1)
         elif rounds == "fixed":
             self.round_policy = FixedRounds(fixed_rounds)
-        elif rounds == "auto":
-            self.round_policy = AutoRounds(max_rounds=max(t1, 2))
+        elif rounds in ("auto", "stage_a2"):
+            try:
+                kind = AutoRounds if rounds == "auto" else StageA2Rounds
+                self.round_policy = kind(tolerance=tolerance, patience=patience, max_rounds=max_rounds)
+            except ConfigError as err:
+                raise ConfigError(f"algorithm.{err}") from None
         else:
             raise ConfigError(
-                f"algorithm.rounds={rounds!r}: choose a2, fixed, auto or a RoundPolicy class_path"
+                f"algorithm.rounds={rounds!r}: choose auto, a2, stage_a2, fixed or a RoundPolicy class_path"
             )
         self.t0, self.t1, self.fixed_rounds = t0, t1, fixed_rounds
         self.merge_weighting = merge_weighting
@@ -140,6 +164,17 @@ class FedShard(ShardCosts, ShardCache, Algorithm):
         self._sizes: list[int] = []
         self._steps: list[int] = []
         self.changed: dict[int, list[int] | None] = {}  # see ShardCache
+
+    @property
+    def variant(self) -> str:
+        """Which of our departures from the paper this instance runs (empty for the paper's A1 + auto A2).
+
+        Comparisons label a row with it, so the paper's FedShard and a variant can stand side by side.
+        """
+        merge, rounds = self._choices
+        parts = [f"merge: {merge}"] if merge != "a1" else []
+        parts += [f"rounds: {rounds}"] if rounds != "auto" else []
+        return ", ".join(parts)
 
     def setup(self, ctx: AlgorithmContext) -> None:
         """Build the engine; remember every client's sample count and local steps per round."""

@@ -167,6 +167,12 @@ class RapidRetrain(FedAvg):
         eng = self.unlearn_engine
         return sum(eng.client_steps_of(eng.participants(0, group, r)) for r in range(self.unlearn_rounds))
 
+    def predict_latency(self, clients: Sequence[int]) -> int:
+        """The slowest remaining participant of each of the ``unlearn_rounds`` rounds."""
+        group = self._group(self.remaining(clients))
+        eng = self.unlearn_engine
+        return sum(eng.latency_of(eng.participants(0, group, r)) for r in range(self.unlearn_rounds))
+
     def retrain_cost(self, clients: Sequence[int]) -> int:
         """Steps of FedAvg retrained from scratch for ``rounds`` rounds."""
         return FedAvg.predict_cost(self, clients)

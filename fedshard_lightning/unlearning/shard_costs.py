@@ -14,6 +14,7 @@ from typing import Any
 from fedshard_lightning.engine import Group
 from fedshard_lightning.sharding import (
     StageCosts,
+    eq7_weights,
     expected_future_costs,
     tree_client_costs,
 )
@@ -26,7 +27,11 @@ class ShardCosts:
     """Cost prediction and audit over FedShard's frozen tree (mixed into FedShard)."""
 
     def _stage_costs(self, stage: int) -> StageCosts:
-        """A1's cost model for ``stage``: costs paid in the trained stages, expected rounds and later costs."""
+        """A1's cost model for ``stage``: costs paid in the trained stages, expected rounds and later costs.
+
+        From stage 2 on, every client weighs ``1 / |alpha|`` of its stage-1 shard (paper eq. 7, SPEC
+        section 5); a policy that wants uniform weights drops them (``A1Merge(weighting="uniform")``).
+        """
         planned = self.planned_stages
         if stage == 1:
             children = [[c] for c in range(self.num_clients)]
@@ -46,22 +51,30 @@ class ShardCosts:
             paid=paid,
             rounds=self.round_policy.expected_rounds(stage, last=stage == planned),
             future=expected_future_costs(self._steps, later_shards, later_rounds),
+            weights=eq7_weights(
+                [r.clients for r in self.records[0]], [r.alpha for r in self.records[0]], self.num_clients
+            )
+            if self.records
+            else None,
             rounds_fn=None
             if self.round_policy.calibrating(stage)
             else lambda children_alphas: self.round_policy.rounds(stage, children_alphas),
             rounds_rule=round_rule(self.round_policy, stage),  # None while calibrating
         )
 
-    def _shard_cost(self, stage: int, index: int, remaining: Sequence[int], rounds: int) -> int:
+    def _shard_cost(
+        self, stage: int, index: int, remaining: Sequence[int], rounds: int, latency: bool = False
+    ) -> int:
+        """Client-steps (or, with ``latency``, the sum of every round's slowest step count) of a shard."""
         if not remaining:
             return 0
         if self.engine.samples_everyone:
             # Every client takes part in every round (SPEC section 3): no per-round sample to draw.
-            return rounds * sum(self._steps[c] for c in remaining)
+            steps = [self._steps[c] for c in remaining]
+            return rounds * (max(steps) if latency else sum(steps))
         group = Group(index, tuple(remaining), rounds)
-        return sum(
-            self.engine.client_steps_of(self.engine.participants(stage, group, r)) for r in range(rounds)
-        )
+        per_round = self.engine.latency_of if latency else self.engine.client_steps_of
+        return sum(per_round(self.engine.participants(stage, group, r)) for r in range(rounds))
 
     def _plan(self, clients: Sequence[int]) -> dict[int, list[int]]:
         """Affected shard indices per stage for new leaving clients."""
@@ -80,6 +93,26 @@ class ShardCosts:
                 rec = self.records[p - 1][i]
                 total += self._shard_cost(p, i, [c for c in rec.clients if c not in gone], rec.rounds)
         return total
+
+    def predict_latency(self, clients: Sequence[int]) -> int:
+        """Latency in steps: stage by stage, the slowest affected shard (shards retrain in parallel)."""
+        gone = set(self.unlearned) | set(clients)
+        return sum(
+            max(
+                (
+                    self._shard_cost(
+                        p,
+                        i,
+                        [c for c in self.records[p - 1][i].clients if c not in gone],
+                        self.records[p - 1][i].rounds,
+                        latency=True,
+                    )
+                    for i in idx
+                ),
+                default=0,
+            )
+            for p, idx in self._plan(clients).items()
+        )
 
     def retrain_cost(self, clients: Sequence[int]) -> int:
         """Client-steps of recomputing every shard of the frozen tree without the unlearned clients."""

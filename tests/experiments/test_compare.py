@@ -15,6 +15,8 @@ from fedshard_lightning.experiments.compare import COLUMNS, compare
 from fedshard_lightning.models import MLP
 from fedshard_lightning.unlearning import FedAvg, FedShard
 
+FS = "fedshard (rounds: fixed)"  # a row that is not the paper's FedShard says which variant it runs
+
 
 def _setting():
     data = SyntheticDataModule(
@@ -35,16 +37,16 @@ def test_compare_two_methods_two_seeds_equal_budget(tmp_path, capsys):
         mia=False,
     )
     assert [(r["method"], r["seed"]) for r in res["rows"]] == [
-        ("fedshard", 0),
+        (FS, 0),
         ("fedavg", 0),
-        ("fedshard", 1),
+        (FS, 1),
         ("fedavg", 1),
     ]
     rows = list(csv.DictReader((tmp_path / "compare.csv").read_text().splitlines()))
-    assert [r["method"] for r in rows] == ["fedshard", "fedavg", "fedshard", "fedavg"]
+    assert [r["method"] for r in rows] == [FS, "fedavg", FS, "fedavg"]
     for r in res["rows"]:
         assert r["client_steps"] > 0 and r["t"] >= 0 and r["M_p"] is not None
-        assert r["M_e_steps"] is not None and r["M_e_seconds"] is not None
+        assert r["M_e_steps"] is not None and r["M_e_seconds"] is not None and r["M_e_latency"] is not None
         assert r["clients_in_M_e_steps"] == 8  # every client, not only the 2 measured ones
     # SPEC section 4: methods side by side share one reference; every replay used the same alphas.
     for seed in (0, 1):
@@ -69,21 +71,44 @@ def test_compare_two_methods_two_seeds_equal_budget(tmp_path, capsys):
     md = (tmp_path / "compare.md").read_text()
     assert all(h in md for _, h, _ in COLUMNS) and "[1, 6]" in md and " ± " in md
     assert "M_e (client-steps^2 / rad)" in md and "M_e (s^2 / rad)" in md
+    assert "M_e latency (steps^2 / rad)" in md
     assert r"\pm" in (tmp_path / "compare.tex").read_text()
     assert (tmp_path / "cost_distribution.png").stat().st_size > 0
     assert json.loads((tmp_path / "compare.json").read_text())["clients"] == [1, 6]
     # Off a terminal, one progress line per method and seed, with an ETA.
     lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("compare: ")]
-    pattern = r"compare: method (\d)/4 (\w+) \(seed (\d)\) done · test_accuracy [\d.]+ · \d+ client-steps · .* · ETA (\S+)"
+    pattern = r"compare: method (\d)/4 (\w+(?: \([^)]*\))?) \(seed (\d)\) done · test_accuracy [\d.]+ · \d+ client-steps · .* · ETA (\S+)"
     found = [re.fullmatch(pattern, x) for x in lines]
     assert len(lines) == 4 and all(found), lines
     assert [(m.group(1), m.group(2), m.group(3)) for m in found] == [
-        ("1", "fedshard", "0"),
+        ("1", FS, "0"),
         ("2", "fedavg", "0"),
-        ("3", "fedshard", "1"),
+        ("3", FS, "1"),
         ("4", "fedavg", "1"),
     ]
     assert found[-1].group(4) == "0s"
+
+
+def test_compare_labels_the_paper_row_and_a_variant_row(tmp_path):
+    """FedShard as the paper specifies it and a variant stand side by side, each row labelled."""
+    model, data = _setting()
+    res = compare(
+        output_dir=str(tmp_path),
+        algorithms=[
+            FedShard(max_rounds=2, batch_size=5),
+            FedShard(rounds="stage_a2", max_rounds=2, batch_size=5),
+            FedAvg(rounds=2, batch_size=5),
+        ],
+        model=model,
+        data=data,
+        clients=[3],
+        mia=False,
+    )
+    assert [r["method"] for r in res["rows"]] == ["fedshard", "fedshard (rounds: stage_a2)", "fedavg"]
+    md = (tmp_path / "compare.md").read_text()
+    assert "fedshard (rounds: stage_a2)" in md
+    with pytest.raises(ConfigError, match=r"each method .* may appear once"):
+        compare(output_dir=str(tmp_path / "x"), algorithms=[FedShard(), FedShard()], model=model, data=data)
 
 
 def test_compare_refuses_unequal_local_training(tmp_path):
@@ -243,7 +268,7 @@ def test_wandb_table_has_the_spread_over_seeds(tmp_path):
     assert cols[:2] == ["method", "seeds"]
     by_method = {row[0]: dict(zip(cols, row)) for row in table["data"]}
     for key, header, _ in COLUMNS:
-        for method in ("fedshard", "fedavg"):
+        for method in (FS, "fedavg"):
             rows = [r for r in res["rows"] if r["method"] == method]
             vals = [float(r[key]) for r in rows if r[key] is not None]
             if not vals:
@@ -278,7 +303,7 @@ def test_wandb_compare_run_joins_the_group_of_its_method_runs(tmp_path):
     (path,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
     run, config = run_records(path)
     assert (run.run_group, run.display_name) == (group, f"compare-{group}")
-    assert config["seeds"] == [0, 1] and config["methods"] == ["fedshard", "fedavg"]
+    assert config["seeds"] == [0, 1] and config["methods"] == [FS, "fedavg"]
     assert sorted(config["runs"]) == sorted(r.run_id for r in methods)
 
 
@@ -306,7 +331,7 @@ def test_compare_runs_a_plain_lightning_module(tmp_path, monkeypatch):
         clients=[1],
         mia=False,
     )
-    assert [r["method"] for r in res["rows"]] == ["fedshard", "fedavg"]
+    assert [r["method"] for r in res["rows"]] == [FS, "fedavg"]
     assert all(r["fit_client_steps"] > 0 for r in res["rows"])
 
 

@@ -30,6 +30,8 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = [
     "--data.num_clients",
     "8",
+    "--trainer.algorithm.rounds",
+    "a2",
     "--trainer.algorithm.t0",
     "1",
     "--trainer.algorithm.t1",

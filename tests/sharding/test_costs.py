@@ -164,10 +164,11 @@ def test_cost_allocation_is_a_partition_with_capacities(n: int, rate: int, seed:
     if equal:
         alphas = np.zeros(n)
     counts = [len(c) for c in costs.shard_clients]
-    groups = a1_grouping(alphas, counts, rate, seed, n_init=1, costs=costs)
+    # random_start=False: equal alphas too go through the cost filler (our a1_cost variant)
+    groups = a1_grouping(alphas, counts, rate, seed, n_init=1, costs=costs, random_start=False)
     assert sorted(i for g in groups for i in g) == list(range(n))
     assert sorted(len(g) for g in groups) == sorted(group_capacities(n, rate))
-    assert groups == a1_grouping(alphas, counts, rate, seed, n_init=1, costs=costs)  # deterministic
+    assert groups == a1_grouping(alphas, counts, rate, seed, n_init=1, costs=costs, random_start=False)
 
 
 def test_cost_allocation_lowers_predicted_m_e() -> None:
@@ -197,8 +198,8 @@ def test_cost_allocation_lowers_predicted_m_e() -> None:
 def test_equal_sizes_fall_back_to_a_seeded_random_order() -> None:
     k = 16
     costs = StageCosts([[c] for c in range(k)], [3] * k, np.zeros(k), 2.0, np.zeros(k))
-    first = a1_grouping([0.0] * k, [1] * k, 2, 1, costs=costs)
-    second = a1_grouping([0.0] * k, [1] * k, 2, 2, costs=costs)
+    first = a1_grouping([0.0] * k, [1] * k, 2, 1, costs=costs, random_start=False)
+    second = a1_grouping([0.0] * k, [1] * k, 2, 2, costs=costs, random_start=False)
     assert first != second  # all ties: the seed decides, as in the paper's random first stage
 
 
@@ -262,7 +263,7 @@ def test_cost_allocation_with_a2_rounds_beats_count_balancing() -> None:
         costs.rounds_fn = a2_fn(2, 8)
         counts = [len(c) for c in costs.shard_clients]
         obj = _ExactObjective(costs, alphas)
-        by_cost = a1_grouping(alphas, counts, rate, case, n_init=2, costs=costs)
+        by_cost = a1_grouping(alphas, counts, rate, case, n_init=2, costs=costs, refine=True)
         by_count = a1_grouping(alphas, counts, rate, case, n_init=2)
         ratios.append(obj.value(by_cost, obj.rounds(by_cost)) / obj.value(by_count, obj.rounds(by_count)))
     assert np.mean(ratios) < 0.8
@@ -313,19 +314,19 @@ def test_pool_classes_choose_like_scoring_every_candidate(
     steps = rng.integers(1, 3, size=k)  # few distinct values: many equal rows
     costs = StageCosts(clients, steps, np.zeros(k), 3.0, 2.0 * steps)
     alphas = np.zeros(n) if zero_alpha else rng.choice([-0.5, 0.0, 0.5], size=n)
-    got = a1_grouping(alphas, [len(c) for c in clients], rate, seed, costs=costs)
+    got = a1_grouping(alphas, [len(c) for c in clients], rate, seed, costs=costs, random_start=False)
     saved = merging.CostFiller, merging.CostPool
     merging.CostFiller, merging.CostPool = _OneByOneFiller, _ListPool
     try:
-        want = a1_grouping(alphas, [len(c) for c in clients], rate, seed, costs=costs)
+        want = a1_grouping(alphas, [len(c) for c in clients], rate, seed, costs=costs, random_start=False)
     finally:
         merging.CostFiller, merging.CostPool = saved
     assert got == want
 
 
 def test_a1_as_the_spec_states_it_random_stage_one_and_no_swaps() -> None:
-    """``random_start``: stage 1 (equal alphas) is SPEC step 1's seeded random grouping, costs or not;
-    ``refine=False``: the greedy steps 4-6 alone (the default then refines by swaps)."""
+    """By default stage 1 (equal alphas) is SPEC step 1's seeded random grouping, costs or not, and
+    the greedy steps 4-6 stand alone; ``refine=True`` (our variant) then changes some by swaps."""
     rng = np.random.default_rng(5)
     changed_by_swaps = 0
     for case in range(20):
@@ -334,11 +335,9 @@ def test_a1_as_the_spec_states_it_random_stage_one_and_no_swaps() -> None:
         costs.rounds_fn = a2_fn(2, 8)
         counts = [len(c) for c in costs.shard_clients]
         equal = [0.0] * n
-        assert a1_grouping(equal, counts, rate, case, costs=costs, random_start=True) == random_grouping(
-            n, rate, case
-        )
-        greedy = a1_grouping(alphas, counts, rate, case, n_init=2, costs=costs, refine=False)
-        refined = a1_grouping(alphas, counts, rate, case, n_init=2, costs=costs)
+        assert a1_grouping(equal, counts, rate, case, costs=costs) == random_grouping(n, rate, case)
+        greedy = a1_grouping(alphas, counts, rate, case, n_init=2, costs=costs)
+        refined = a1_grouping(alphas, counts, rate, case, n_init=2, costs=costs, refine=True)
         assert sorted(i for g in greedy for i in g) == list(range(n))
         assert sorted(len(g) for g in greedy) == sorted(len(g) for g in refined)
         changed_by_swaps += greedy != refined

@@ -198,8 +198,8 @@ def test_policies_delegate_to_the_functions() -> None:
     assert RandomMerge().group(alphas, counts, 2, 11) == random_grouping(5, 2, 11)
     assert isinstance(A1Merge(), MergePolicy)
     assert repr(A1Merge()) == "A1Merge(n_init=10, allocation='cost')"
-    spec = "A1Merge(n_init=10, allocation='cost', random_start=True, refine=False)"
-    assert repr(A1Merge(random_start=True, refine=False)) == spec
+    variant = "A1Merge(n_init=10, allocation='cost', random_start=False, refine=True, weighting='uniform')"
+    assert repr(A1Merge(random_start=False, refine=True, weighting="uniform")) == variant
     with pytest.raises(NotImplementedError):
         MergePolicy().group(alphas, counts, 2, 0)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from _fedshard_helpers import audit, fit, loaded, make, stage_models, unlearn
@@ -146,10 +147,10 @@ def test_same_seed_bit_identical_other_seed_differs(run_root, tmp_path):
     assert not all(torch.equal(a[k], c[k]) for k in a)
 
 
-@pytest.mark.parametrize("merge", ["a1", "a1_spec", "a1_count", "random"])
-@pytest.mark.parametrize("rounds", ["fixed", "a2", "auto"])
+@pytest.mark.parametrize("merge", ["a1", "a1_cost", "a1_count", "random"])
+@pytest.mark.parametrize("rounds", ["fixed", "a2", "auto", "stage_a2"])
 def test_ablation_settings_train_and_unlearn(run_root, merge, rounds):
-    kw = dict(k=8, merge=merge, rounds=rounds, t0=1, t1=3, precision="64-true")
+    kw = dict(k=8, merge=merge, rounds=rounds, t0=1, t1=3, max_rounds=3, precision="64-true")
     run = fit(run_root, **kw)
     alg = loaded(run_root, run, **kw)
     for recs in alg.records:
@@ -219,16 +220,45 @@ def test_foreign_and_corrupt_caches_are_refused(run_root):
         unlearn(run_root, run, [1], fixed_rounds=1)
 
 
-def test_a1_spec_groups_stage_one_at_random(run_root):
-    """``merge: a1_spec``: stage 1 is the seeded random grouping of SPEC section 5 step 1."""
+def test_a1_groups_stage_one_at_random(run_root):
+    """``merge: a1`` (the default): stage 1 is the seeded random grouping of SPEC section 5 step 1."""
     from fedshard_lightning.sharding import random_grouping
 
-    kw = dict(k=8, merge="a1_spec", rounds="a2", t0=1, t1=3)
+    kw = dict(k=8, merge="a1", rounds="a2", t0=1, t1=3)
     run = fit(run_root, **kw)
     alg = loaded(run_root, run, **kw)
     stage_one = sorted(sorted(r.children) for r in alg.records[0])
     at_random = sorted(sorted(g) for g in random_grouping(8, 2, alg._merge_seed(1)))
     assert stage_one == at_random
-    kw["merge"] = "a1"  # the default fills stage 1 by the predicted costs instead
-    default = loaded(run_root, fit(run_root, **kw), **kw)
-    assert sorted(sorted(r.children) for r in default.records[0]) != at_random
+    kw["merge"] = "a1_cost"  # our variant fills stage 1 by the predicted costs instead
+    variant = loaded(run_root, fit(run_root, **kw), **kw)
+    assert sorted(sorted(r.children) for r in variant.records[0]) != at_random
+
+
+def _hand_a2(variances: list[float], t0: int, t1: int) -> list[int]:
+    """SPEC section 5's A2, written out: nu = (v - v_min) / (v_max - v_min), T = round-half-up(T1 - nu (T1 - T0))."""
+    lo, hi = min(variances), max(variances)
+    if hi == lo:
+        return [t1] * len(variances)
+    return [int(np.floor(t1 - (v - lo) / (hi - lo) * (t1 - t0) + 0.5)) for v in variances]
+
+
+@pytest.mark.parametrize("rounds", ["auto", "stage_a2"])
+def test_auto_rounds_on_a_tiny_tree_match_a_hand_computation(run_root, rounds):
+    """``rounds: auto`` (the default): stages 1-2 train to convergence, their fewest and most rounds
+    become [T0, T1], stage 3 gets A2 over that range, the final stage T1. ``stage_a2``: the same
+    range, one number of rounds per stage."""
+    kw = dict(k=16, rounds=rounds, max_rounds=6, tolerance=1e-2, patience=1)
+    alg = loaded(run_root, fit(run_root, **kw), **kw)
+    assert [len(recs) for recs in alg.records] == [8, 4, 2, 1]
+    calibrated = [rec.rounds for recs in alg.records[:2] for rec in recs]
+    assert all(1 <= t <= 6 for t in calibrated)
+    t0, t1 = min(calibrated), max(calibrated)
+    assert alg.round_policy.observed_range == (t0, t1)
+    children = [[alg.records[1][ch].alpha for ch in rec.children] for rec in alg.records[2]]
+    want = _hand_a2([float(np.var(c)) for c in children], t0, t1)
+    if rounds == "stage_a2":
+        assert len({rec.rounds for rec in alg.records[0]}) == len({rec.rounds for rec in alg.records[1]}) == 1
+        want = [int(np.floor(np.mean(want) + 0.5))] * len(want)
+    assert [rec.rounds for rec in alg.records[2]] == want
+    assert [rec.rounds for rec in alg.records[3]] == [t1]
