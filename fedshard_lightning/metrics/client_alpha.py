@@ -71,7 +71,9 @@ def client_probe_updates(
         not learned, and their scale would tilt the angle.
     """
     alg = _algorithm(source)
-    engine = alg.engine
+    # Every probed client trains its round: a method's own sampling (FATS, client_fraction < 1)
+    # would leave some with no update, and a test's scripted sampler has no probe round.
+    engine = alg.engine.with_participants(_everyone)
     if reference_params is None:
         reference_params = alg.current_params()
     ids = list(range(alg.num_clients)) if clients is None else [int(c) for c in clients]
@@ -85,6 +87,11 @@ def client_probe_updates(
     return flatten_update(
         {k: res.params[k] for k in names}, {k: ref[k] for k in names}, stacked=True, dtype=torch.float64
     )
+
+
+def _everyone(stage: int, group: Group, round_: int) -> list[int]:
+    """The probe's participant policy: every client of the group, every round."""
+    return list(group.clients)
 
 
 def checked_alphas(alphas: Sequence[float], field: str) -> Tensor:
