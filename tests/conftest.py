@@ -29,6 +29,9 @@ def _isolate(tmp_path, monkeypatch):
         monkeypatch.setenv(var, str(tmp_path / "wandb"))
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
+    # Every fit logs M_e; M_p's replay (about 12x a FedShard fit) runs where a test asks for it
+    # (tests/callbacks/test_fairness_logger.py), not in every fit of the suite.
+    monkeypatch.setenv("FEDSHARD_REPLAY_BUDGET_S", "0")
     yield
     torch.set_default_dtype(dtype)
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,6 +123,20 @@ class FairnessResult:
         return columns, rows
 
 
+def _env_budget() -> float:
+    """``FEDSHARD_REPLAY_BUDGET_S`` as seconds, 120 when unset; a bad value is one line naming it."""
+    raw = os.environ.get("FEDSHARD_REPLAY_BUDGET_S", "").strip()
+    if not raw:
+        return 120.0
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not (math.isfinite(value) and value >= 0):
+        raise ConfigError(f"FEDSHARD_REPLAY_BUDGET_S={raw!r}: give a number of seconds >= 0")
+    return value
+
+
 class FairnessLogger(FederatedCallback):
     """Logs M_e (every run) and M_p (when its replay fits the budget) after ``fit`` and after every ``unlearn``.
 
@@ -131,7 +146,9 @@ class FairnessLogger(FederatedCallback):
         replay_budget: Most client-steps the M_p replay may spend, as a multiple of the fit's
             client-steps (FedShard on configs/digits.yaml needs 12.3); 0 never replays.
         replay_budget_s: Most seconds the replay may take, predicted at the fit's measured
-            client-steps per second; ``None``: no limit in seconds.
+            client-steps per second; ``None``: no limit in seconds. By default
+            ``FEDSHARD_REPLAY_BUDGET_S`` from the environment (so a whole test suite or a batch of
+            runs can set it once, in every process), else 120.
         eps_alpha: Floor of ``|alpha_c|`` in M_e.
         eps0: Offset of the M_p normalisation.
         eps1: Added to the range of the M_p normalisation.
@@ -140,7 +157,7 @@ class FairnessLogger(FederatedCallback):
     def __init__(
         self,
         replay_budget: float = 16.0,
-        replay_budget_s: float | None = 120.0,
+        replay_budget_s: float | str | None = "env",
         eps_alpha: float = 1e-6,
         eps0: float = 0.01,
         eps1: float = 1e-12,
@@ -152,6 +169,8 @@ class FairnessLogger(FederatedCallback):
         for name, value in (("eps_alpha", eps_alpha), ("eps0", eps0), ("eps1", eps1)):
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ConfigError(f"FairnessLogger.{name}={value!r}: must be a positive number")
+        if replay_budget_s == "env":  # FEDSHARD_REPLAY_BUDGET_S, else two minutes
+            replay_budget_s = _env_budget()
         if replay_budget_s is not None and not (
             isinstance(replay_budget_s, (int, float))
             and math.isfinite(replay_budget_s)
