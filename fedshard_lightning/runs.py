@@ -80,11 +80,12 @@ def describe_run(run: Path) -> dict[str, Any]:
     elif damaged:
         state = "damaged (cache verify --ckpt_path RUN names the file)"
     elif not manifest:
-        state = (
-            "interrupted (no stage committed: fit --ckpt_path RUN trains it from the start)"
-            if (run / "cache").is_dir()
-            else "-"
-        )
+        if not (run / "cache").is_dir():
+            state = "-"
+        elif (run / "config.yaml").is_file():
+            state = "interrupted (no stage committed: fit --ckpt_path RUN trains it from the start)"
+        else:  # stopped before it recorded its settings: fit refuses to resume it
+            state = "interrupted before its settings were recorded: remove it and run fit again"
     elif manifest.get("complete"):
         state = "complete (in use: unlearn, audit or test running)" if busy else "complete"
     else:

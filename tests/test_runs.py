@@ -48,7 +48,7 @@ def test_runs_lists_complete_interrupted_and_unlearned_runs(run_root, capsys):
     assert done["accuracy"] == f"{report['test_accuracy_after']:.4f}"
     assert cut_row["state"].startswith("interrupted") and "1/3" in cut_row["state"]
     assert empty["state"].startswith("interrupted") and empty["method"] == "-"
-    assert "fit --ckpt_path RUN" in empty["state"], "what to do with it"
+    assert "remove it and run fit again" in empty["state"], "what to do with it (fit refuses to resume it)"
 
     main(["runs", "--root", str(run_root)])
     out = capsys.readouterr().out
@@ -100,15 +100,33 @@ def test_runs_lists_a_damaged_cache_as_damaged_not_as_never_committed(run_root, 
     for i, how in enumerate(hows, start=1):
         shutil.copytree(run_root / "version_0", run_root / f"version_{i}")
         _damage(run_root / f"version_{i}", how)
-    (run_root / "version_4" / "cache").mkdir(parents=True)  # killed before its first commit
+    (run_root / "version_4" / "cache").mkdir(parents=True)  # killed before it recorded its settings
+    shutil.copytree(run_root / "version_0", run_root / "version_5")
+    shutil.rmtree(run_root / "version_5" / "cache")
+    (run_root / "version_5" / "cache").mkdir()  # killed after its config, before its first commit
     capsys.readouterr()
     rows = list_runs(run_root)
     assert [r["state"] for r in rows] == [
         "complete",
         *["damaged (cache verify --ckpt_path RUN names the file)"] * 3,
+        "interrupted before its settings were recorded: remove it and run fit again",
         "interrupted (no stage committed: fit --ckpt_path RUN trains it from the start)",
     ]
-    main(["fit", *TINY, "--trainer.enable_progress_bar", "false", "--ckpt_path", str(run_root / "version_4")])
+    with pytest.raises(SystemExit) as refused:  # as the listing says
+        main(
+            [
+                "fit",
+                *TINY,
+                "--trainer.enable_progress_bar",
+                "false",
+                "--ckpt_path",
+                str(run_root / "version_4"),
+            ]
+        )
+    assert refused.value.code == 2
+    for name in ("metrics.json", "model.safetensors", "model.ckpt"):
+        (run_root / "version_5" / name).unlink(missing_ok=True)
+    main(["fit", *TINY, "--trainer.enable_progress_bar", "false", "--ckpt_path", str(run_root / "version_5")])
     assert list_runs(run_root)[-1]["state"] == "complete", "as the listing says"
     capsys.readouterr()
     for i, how in enumerate(hows, start=1):  # and verify does name it, in one line
