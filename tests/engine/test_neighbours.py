@@ -93,4 +93,19 @@ def test_probe_only_where_the_engine_promises_invariance():
     batch = ClientBatch(list(range(8)), [0] * 8, 0, 0)
     assert neighbour_dependence(eng.local, start, batch) is None  # not asked: batch_invariant off
     eng.local.neighbour_run = eng._stacked_call
+    # Whether this CPU's kernels round a vmap SiLU by row depends on its vector units and MKL's
+    # mode; a run that adds its row index makes the dependence certain on any machine.
+    first_row = {}
+
+    def by_row(state, b):
+        res = eng._stacked_call(state, b)
+        for name, value in res.params.items():
+            rows = torch.arange(value.shape[0], dtype=value.dtype).reshape(-1, *[1] * (value.dim() - 1))
+            res.params[name] = value + 1e-3 * rows
+        first_row.setdefault("seen", True)
+        return res
+
+    eng.local.neighbour_run = by_row
     assert "client" in neighbour_dependence(eng.local, start, batch)
+    eng.local.neighbour_run = eng._stacked_call
+    assert first_row
