@@ -196,13 +196,16 @@ def run_fit(trainer: Any, run_dir: Path, resume: bool, exclude: list[int]) -> di
     algorithm reported no final ``stage_end``, the finished state is committed here.
     """
     config = run_dir / "config.yaml"
-    if trainer.config_yaml is not None and trainer.is_global_zero:
-        # new_run_dir wrote the CLI's config before any data was read; now the data has resolved
-        # the model's shapes, the run records them (a resumed run's own config stays as it is)
-        if not config.exists() or config.read_text() == trainer.config_yaml:
-            resolved = resolved_config(trainer.config_yaml, trainer.module)
-            if not config.exists() or resolved != trainer.config_yaml:
-                atomic_write_bytes(config, resolved.encode())
+    # new_run_dir wrote the CLI's config before any data was read; now the data has resolved the
+    # model's shapes, the run records them (a resumed run's own config stays as it is)
+    if (
+        trainer.config_yaml is not None
+        and trainer.is_global_zero
+        and (not config.exists() or config.read_text() == trainer.config_yaml)
+    ):
+        resolved = resolved_config(trainer.config_yaml, trainer.module)
+        if not config.exists() or resolved != trainer.config_yaml:
+            atomic_write_bytes(config, resolved.encode())
     t0 = time.perf_counter()
     alg, resumed, finished = trainer.algorithm, False, False
     if resume and trainer.store.cache.exists():

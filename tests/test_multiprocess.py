@@ -37,7 +37,8 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_ddp_two_processes_equals_single_process(tmp_path: Path):
+def test_ddp_two_processes_equals_single_process(tmp_path: Path, monkeypatch):
+    monkeypatch.delenv("FEDSHARD_REPLAY_BUDGET_S")  # M_p's replay as shipped, split across ranks
     ddp = ["--trainer.strategy", "ddp", "--trainer.devices", "2"]
     out = {}
     for name, extra in (("single", []), ("ddp", ddp)):

@@ -353,11 +353,12 @@ class ConvergenceTracker:
         self._used = [0] * num_groups
         self._stopped = [False] * num_groups
 
-    def update(self, losses: Sequence[float]) -> list[bool]:
+    def update(self, losses: Sequence[float | None]) -> list[bool]:
         """Record one round's loss of every shard; return which shards should stop now.
 
         Args:
-            losses: Loss of every shard after this round (entries of stopped shards are ignored).
+            losses: Loss of every shard after this round (entries of stopped shards, and None for
+                a shard this process does not train, are ignored).
 
         Returns:
             For every shard, True when it has stopped (it trains no further round).
@@ -368,7 +369,7 @@ class ConvergenceTracker:
         if len(losses) != self._n:
             raise ValueError(f"expected {self._n} losses, got {len(losses)}")
         for g, loss in enumerate(losses):
-            if self._stopped[g]:
+            if self._stopped[g] or loss is None:  # None: not trained here (another DDP rank's shard)
                 continue
             loss = float(loss)
             if not math.isfinite(loss):
@@ -437,7 +438,7 @@ class _SharedTracker(ConvergenceTracker):
         super().__init__(1, tolerance, patience, max_rounds)
         self._shards = _check_int("num_groups", num_groups, 0)
 
-    def update(self, losses: Sequence[float]) -> list[bool]:
+    def update(self, losses: Sequence[float | None]) -> list[bool]:
         """Record the mean of the shards' losses; every shard stops when the mean has converged."""
         if len(losses) != self._shards:
             raise ValueError(f"expected {self._shards} losses, got {len(losses)}")

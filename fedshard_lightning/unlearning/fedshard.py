@@ -256,7 +256,7 @@ class FedShard(ShardCosts, ShardCache, Algorithm):
         tracker = None
         if report and self.round_policy.calibrating(stage):
             tracker = self.round_policy.make_tracker(len(groups))
-            last = [float("inf")] * len(groups)
+            last: list[float | None] = [None] * len(groups)  # under DDP a rank sees only its shards
 
             def on_round(info: RoundInfo, state: dict[str, Tensor]) -> list[bool]:
                 for pos, loss in zip(info.active, info.mean_loss):
