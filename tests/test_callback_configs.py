@@ -67,8 +67,10 @@ def _fairness_row(run: Path) -> dict[str, str]:
         return [r for r in csv.DictReader(f) if r.get("fairness/M_e_steps")][-1]
 
 
-def test_wandb_config_runs_and_logs_fairness_to_an_offline_wandb_run(tmp_path):
+def test_wandb_config_runs_and_logs_fairness_to_an_offline_wandb_run(tmp_path, monkeypatch):
     from callbacks.test_fairness_logger import _wandb_run
+
+    monkeypatch.delenv("FEDSHARD_REPLAY_BUDGET_S")  # M_p's replay as shipped
 
     run, _ = _fit(tmp_path, "wandb.yaml")
     summary, history, _ = _wandb_run(run)
