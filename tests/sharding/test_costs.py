@@ -251,6 +251,7 @@ def test_refinement_lowers_the_exact_m_e_and_keeps_the_cluster_mix(n: int, rate:
     assert sorted(i for g in refined for i in g) == list(range(n))
 
 
+@pytest.mark.slow  # about 20 s: a long check, run with -m slow
 def test_cost_allocation_with_a2_rounds_beats_count_balancing() -> None:
     """With the rounds A2 will give, the exact predicted M_e falls well below count balancing's."""
     from fedshard_lightning.sharding.costs import _ExactObjective
