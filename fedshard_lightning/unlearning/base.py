@@ -8,7 +8,7 @@ groups of clients to :meth:`fedshard_lightning.engine.FederatedEngine.train_grou
 :class:`~fedshard_lightning.unlearning.context.LoopEvents`. Cache commits, the fingerprint check,
 the request journal and the lock belong to the trainer.
 
-The protocol, driven by :class:`~fedshard_lightning.trainer.FederatedTrainer`:
+The protocol, driven by :class:`~fedshard_lightning.trainer.trainer.FederatedTrainer`:
 
 * ``setup(ctx)`` once the model and data are on the device (builds the engines);
 * ``reset(theta0)`` before a fresh fit, or ``restore_cache(...)`` before a resumed one: the
