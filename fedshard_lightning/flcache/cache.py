@@ -39,40 +39,116 @@ from safetensors.torch import load
 from torch import Tensor
 
 from fedshard_lightning.errors import CacheError
+from fedshard_lightning.flcache.gc import Retention
 from fedshard_lightning.flcache.io import (
     _flock,
-    atomic_save_tensors,
-    atomic_write_bytes,
     atomic_write_json,
-    load_tensors,
-    remove_stale_tmp,
     sha256_file,
 )
 from fedshard_lightning.flcache.manifest_key import pointer
 from fedshard_lightning.flcache.reader import CacheReader
+from fedshard_lightning.flcache.schema import check_loaded
 from fedshard_lightning.flcache.stacks import StackStore, StackWrite
 from fedshard_lightning.flcache.verify import Verification
 from fedshard_lightning.flcache.writer import Committer
 
-__all__ = [
-    "FLCache",
-    "StackWrite",
-    "atomic_save_tensors",
-    "atomic_write_bytes",
-    "atomic_write_json",
-    "load_tensors",
-    "remove_stale_tmp",
-    "sha256_file",
-]
+__all__ = ["FLCache", "StackWrite"]
 
 
-class FLCache(Committer, StackStore, Verification, CacheReader):
-    """Versioned, atomic, content-addressed store of manifests, tensor files and stacks of models."""
+class FLCache:
+    """Versioned, atomic, content-addressed store of manifests, tensor files and stacks of models.
+
+    One object over five collaborators that share its folder: :attr:`reader` (versions, manifests,
+    blobs, the request log; no torch), :attr:`stacks` (stacks of models), :attr:`writer` (commits),
+    :attr:`verification` (checksums and the manifest chain) and :attr:`retention` (``gc``). The
+    methods below are the cache's whole interface; each says which collaborator answers.
+    """
 
     def __init__(self, root: Path | str) -> None:
-        super().__init__(root)
-        self._fresh: list[Path] = []  # blobs the running commit created
+        self.root = Path(root)
+        self.reader = CacheReader(self.root)
+        self.stacks = StackStore(self.reader)
+        self.writer = Committer(self.reader, self.stacks, self.lock)
+        self.verification = Verification(self.reader, self.stacks)
+        self.retention = Retention(self.reader, self.stacks, self.lock)
         self.row_schema: dict[str, Any] | None = None  # the model every stack row must match, when known
+
+    # Reading (the reader).
+    def exists(self) -> bool:
+        """True when a committed version exists."""
+        return self.reader.exists()
+
+    def current(self) -> str:
+        """Name of the current version."""
+        return self.reader.current()
+
+    def versions(self) -> list[str]:
+        """Committed version folders, oldest first."""
+        return self.reader.versions()
+
+    def manifest(self, version: str | None = None) -> dict[str, Any]:
+        """The manifest of a version (default: current)."""
+        return self.reader.manifest(version)
+
+    def pruned(self) -> set[str]:
+        """Versions whose models ``gc`` dropped (their manifests and stack indexes stay readable)."""
+        return self.reader.pruned()
+
+    def blob_path(self, digest: str) -> Path:
+        """Where the blob with this SHA-256 lives."""
+        return self.reader.blob_path(digest)
+
+    @property
+    def checked(self) -> set[str]:
+        """Blobs whose bytes this instance has hashed and found intact (``verify`` skips them)."""
+        return self.reader.checked
+
+    # Stacks.
+    def stack_digests(
+        self, name: str, version: str | None = None, manifest: dict[str, Any] | None = None
+    ) -> list[str]:
+        """Blob digest of every row of stack ``name`` in a version (snapshot plus delta)."""
+        return self.stacks.digests(name, version, manifest)
+
+    def stack(
+        self,
+        name: str,
+        version: str | None = None,
+        device: str | torch.device = "cpu",
+        manifest: dict[str, Any] | None = None,
+    ) -> dict[str, Tensor]:
+        """Stacked tensors ``[N, ...]`` of stack ``name`` in a version, every row blob verified."""
+        return self.stacks.load(name, version, device, manifest, self.row_schema)
+
+    # Writing (the writer), checks (verification) and retention.
+    def commit(
+        self,
+        name: str,
+        manifest: dict[str, Any],
+        tensors: dict[str, dict[str, Tensor]],
+        reuse: dict[str, str] | None = None,
+        stacks: dict[str, StackWrite] | None = None,
+    ) -> str:
+        """Write a new version atomically and make it current (:meth:`Committer.commit`)."""
+        return self.writer.commit(name, manifest, tensors, reuse, stacks)
+
+    def verify(self, version: str | None = None) -> None:
+        """Check every blob of a version against its digest (:meth:`Verification.verify`)."""
+        self.verification.verify(version)
+
+    def history(self) -> list[str]:
+        """Versions on the chain from ``CURRENT`` back to the first commit, newest first."""
+        return self.verification.history()
+
+    def verify_all(self) -> dict[str, list[str]]:
+        """Every version: the manifest chain from ``CURRENT`` and every blob (:meth:`Verification.verify_all`)."""
+        return self.verification.verify_all()
+
+    def gc(self, keep: int) -> dict[str, Any]:
+        """Drop the blobs that no kept version uses (:meth:`Retention.gc`)."""
+        return self.retention.gc(keep)
+
+    # Files of a version.
 
     def path_of(self, name: str, version: str | None = None, manifest: dict[str, Any] | None = None) -> Path:
         """The blob that holds file ``name`` of a version (default: current)."""
@@ -110,14 +186,14 @@ class FLCache(Committer, StackStore, Verification, CacheReader):
         if name not in files:
             raise CacheError(f"the cache version {version} has no file {name!r}")
         what = f"{name} of cache version {version}"
-        data = self._read_blob(files[name], what, version)
+        data = self.reader.read_blob(files[name], what, version)
         try:
             out = load(data)
         except (SafetensorError, ValueError) as e:
             raise CacheError(
                 f"{self.blob_path(files[name])} ({what}) is not a valid safetensors file ({e}); refusing to load it"
             ) from None
-        self.check_loaded(out, manifest, "files", name, f"{self.blob_path(files[name])} ({what})")
+        check_loaded(out, manifest, "files", name, f"{self.blob_path(files[name])} ({what})")
         # Sorted like load_file's: safetensors.torch.load (from bytes) returns a hash map's order,
         # which differs between processes (DDP ranks would then gather parameters in different orders).
         return {k: out[k].to(device) for k in sorted(out)}

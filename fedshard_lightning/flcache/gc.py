@@ -2,47 +2,30 @@
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
 
 from fedshard_lightning.errors import CacheError
+
+if TYPE_CHECKING:
+    from fedshard_lightning.flcache.reader import CacheReader
+    from fedshard_lightning.flcache.stacks import StackStore
 from fedshard_lightning.flcache.io import BLOBS, _fsync_dir, atomic_write_json, remove_stale_tmp
 
-__all__ = ["LOG_FIELDS", "Retention"]
-
-# Append-only manifest fields (the trainer's request log): every entry is a JSON blob and a
-# manifest lists their digests, so a version adds its new entries only. Inline, the log made a
-# manifest O(requests) and the cache O(requests^2) (150 KB per manifest after 100 requests).
-LOG_FIELDS = ("requests",)
+__all__ = ["Retention"]
 
 
 class Retention:
-    """Retention of :class:`~fedshard_lightning.flcache.cache.FLCache` (a mixin over its versions and blobs)."""
+    """Retention of :class:`~fedshard_lightning.flcache.cache.FLCache`, over its reader and its stacks."""
 
-    def pruned(self) -> set[str]:
-        """Versions whose models ``gc`` dropped (their manifests and stack indexes stay readable)."""
-        path = self.root / "PRUNED"
-        if not path.is_file():
-            return set()
-        try:
-            data = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError, OSError):
-            raise CacheError(f"{path} is not valid JSON; the cache is damaged") from None
-        if not isinstance(data, dict) or not isinstance(data.get("versions"), list):
-            raise CacheError(f"{path} does not list versions; the cache is damaged")
-        return {str(v) for v in data["versions"]}
-
-    def log_digests(self, manifest_path: Path) -> list[str]:
-        """Blob digests of the log entries (e.g. the request reports) that a stored manifest names."""
-        raw = self._read_json(manifest_path)
-        out = []
-        for field in LOG_FIELDS:
-            ref = raw.get(field)
-            if isinstance(ref, dict) and isinstance(ref.get("blobs"), list):
-                out.extend(ref["blobs"])
-        return out
+    def __init__(
+        self, reader: CacheReader, stacks: StackStore, lock: Callable[[], AbstractContextManager[None]]
+    ) -> None:
+        self.reader = reader
+        self.stacks = stacks
+        self.lock = lock
 
     def gc(self, keep: int) -> dict[str, Any]:
         """Drop the blobs that no kept version uses; keep every manifest and every stack index.
@@ -62,37 +45,39 @@ class Retention:
         """
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise CacheError(f"keep={keep!r}: keep at least the newest version (an integer >= 1)")
-        if not self.exists():
-            raise CacheError(f"{self.root} has no committed FLCache (no CURRENT); nothing to collect")
+        if not self.reader.exists():
+            raise CacheError(f"{self.reader.root} has no committed FLCache (no CURRENT); nothing to collect")
         with self.lock():
-            versions = self.versions()
-            current = self.current()
+            versions = self.reader.versions()
+            current = self.reader.current()
             kept = set(versions[-keep:]) | {current}
-            already = self.pruned()
+            already = self.reader.pruned()
             if already & kept:
                 raise CacheError(
                     f"versions {sorted(already & kept)} were pruned by an earlier gc; they cannot be kept again"
                 )
             live: set[str] = set()
             for version in versions:
-                manifest = self.manifest(version)
-                live.update(self.log_digests(self.root / version / "manifest.json"))  # history stays
+                manifest = self.reader.manifest(version)
+                live.update(
+                    self.reader.log_digests(self.reader.root / version / "manifest.json")
+                )  # history stays
                 for sname, entry in manifest["stacks"].items():
                     live.add(entry["snapshot"])
                     if version in kept:
-                        live.update(self.stack_digests(sname, version, manifest))
+                        live.update(self.stacks.digests(sname, version, manifest))
                 if version in kept:
                     live.update(manifest["files"].values())
-            missing = sorted(d for d in live if not self.blob_path(d).is_file())
+            missing = sorted(d for d in live if not self.reader.blob_path(d).is_file())
             if missing:
                 raise CacheError(
-                    f"kept versions use {len(missing)} missing blobs (e.g. {self.blob_path(missing[0])}); "
+                    f"kept versions use {len(missing)} missing blobs (e.g. {self.reader.blob_path(missing[0])}); "
                     "the cache is damaged, nothing was removed"
                 )
             pruned = sorted(already | (set(versions) - kept))
-            atomic_write_json(self.root / "PRUNED", {"versions": pruned})
+            atomic_write_json(self.reader.root / "PRUNED", {"versions": pruned})
             removed = removed_bytes = kept_bytes = 0
-            blobs = self.root / BLOBS
+            blobs = self.reader.root / BLOBS
             for sub in sorted(blobs.iterdir()) if blobs.is_dir() else []:
                 if not sub.is_dir():
                     continue

@@ -1,9 +1,10 @@
 """FLCache's reader of versions and manifests, without torch.
 
-:class:`CacheReader` is the part of :class:`~fedshard_lightning.flcache.cache.FLCache` that finds the
-current version, reads and checks manifests and the request log (JSON blobs, each checked against
-its SHA-256). It imports no tensor library, so ``python -m fedshard_lightning runs`` lists many runs
-without the seconds that torch takes to import.
+:class:`CacheReader` is the collaborator of :class:`~fedshard_lightning.flcache.cache.FLCache` that
+finds the current version, reads and checks manifests, blobs and the request log (JSON blobs, each
+checked against its SHA-256), and knows which versions ``gc`` pruned. It imports no tensor library,
+so ``python -m fedshard_lightning runs`` lists many runs without the seconds that torch takes to
+import.
 """
 
 from __future__ import annotations
@@ -14,16 +15,19 @@ from pathlib import Path
 from typing import Any
 
 from fedshard_lightning.errors import CacheError
-from fedshard_lightning.flcache.gc import LOG_FIELDS, Retention
 from fedshard_lightning.flcache.io import _SHA256, BLOBS, _plain_name, sha256_file
 from fedshard_lightning.flcache.manifest_key import check_pointer
 
-__all__ = ["FORMAT", "CacheReader"]
+__all__ = ["FORMAT", "LOG_FIELDS", "CacheReader"]
 
 FORMAT = "fedshard-flcache/2"
+# Append-only manifest fields (the trainer's request log): every entry is a JSON blob and a
+# manifest lists their digests, so a version adds its new entries only. Inline, the log made a
+# manifest O(requests) and the cache O(requests^2) (150 KB per manifest after 100 requests).
+LOG_FIELDS = ("requests",)
 
 
-class CacheReader(Retention):
+class CacheReader:
     """Versions, manifests and the request log of an FLCache folder (see the module docstring)."""
 
     def __init__(self, root: Path | str) -> None:
@@ -37,7 +41,7 @@ class CacheReader(Retention):
 
     def current(self) -> str:
         """Name of the current version."""
-        ptr = self._read_json(self.root / "CURRENT")
+        ptr = self.read_json(self.root / "CURRENT")
         version = ptr.get("version")
         if isinstance(version, str) and (not _plain_name(version) or version == BLOBS):
             raise CacheError(
@@ -68,7 +72,7 @@ class CacheReader(Retention):
         version = version or self.current()
         if not _plain_name(version) or version == BLOBS:
             raise CacheError(f"{version!r} is not a version folder of {self.root}")
-        data = self._read_json(self.root / version / "manifest.json")
+        data = self.read_json(self.root / version / "manifest.json")
         if data.get("format") != FORMAT:
             if data.get("format") == "fedshard-flcache/1":
                 raise CacheError(
@@ -100,6 +104,29 @@ class CacheReader(Retention):
                 data[field] = self._read_log(data[field], f"{field} of {self.root / version}/manifest.json")
         return data
 
+    def pruned(self) -> set[str]:
+        """Versions whose models ``gc`` dropped (their manifests and stack indexes stay readable)."""
+        path = self.root / "PRUNED"
+        if not path.is_file():
+            return set()
+        try:
+            data = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError, OSError):
+            raise CacheError(f"{path} is not valid JSON; the cache is damaged") from None
+        if not isinstance(data, dict) or not isinstance(data.get("versions"), list):
+            raise CacheError(f"{path} does not list versions; the cache is damaged")
+        return {str(v) for v in data["versions"]}
+
+    def log_digests(self, manifest_path: Path) -> list[str]:
+        """Blob digests of the log entries (e.g. the request reports) that a stored manifest names."""
+        raw = self.read_json(manifest_path)
+        out = []
+        for field in LOG_FIELDS:
+            ref = raw.get(field)
+            if isinstance(ref, dict) and isinstance(ref.get("blobs"), list):
+                out.extend(ref["blobs"])
+        return out
+
     def _read_log(self, ref: Any, what: str) -> list[Any]:
         """An append-only log field: stored as ``{"blobs": [digest, ...]}``, one JSON blob per entry.
 
@@ -116,7 +143,7 @@ class CacheReader(Retention):
                     f"{what} is malformed (a list of entry digests expected); the cache is damaged"
                 )
             try:
-                entries.append(json.loads(self._read_blob(digest, what, None).decode("utf-8")))
+                entries.append(json.loads(self.read_blob(digest, what, None).decode("utf-8")))
             except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
                 raise CacheError(f"{what}: entry {self.blob_path(digest)} is not valid JSON") from None
         return entries
@@ -127,7 +154,8 @@ class CacheReader(Retention):
             raise CacheError(f"{digest!r} is not a SHA-256 digest; the cache is damaged")
         return self.root / BLOBS / digest[:2] / digest
 
-    def _read_blob(self, digest: str, what: str, version: str | None) -> bytes:
+    def read_blob(self, digest: str, what: str, version: str | None) -> bytes:
+        """The bytes of a blob, checked against its digest (``what`` and ``version`` name it in errors)."""
         path = self.blob_path(digest)
         try:
             data = path.read_bytes()
@@ -172,7 +200,8 @@ class CacheReader(Retention):
         )
 
     @staticmethod
-    def _read_json(path: Path) -> dict[str, Any]:
+    def read_json(path: Path) -> dict[str, Any]:
+        """A JSON object from ``path``; a missing, unreadable or malformed file is a one-line error."""
         if not path.is_file():
             raise CacheError(f"missing {path}; this is not a complete fedshard_lightning run directory")
         try:

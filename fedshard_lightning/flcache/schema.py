@@ -18,7 +18,7 @@ from torch import Tensor
 
 from fedshard_lightning.errors import CacheError
 
-__all__ = ["check_schema", "schema_of", "tensors_sha256"]
+__all__ = ["check_loaded", "check_schema", "schema_of", "tensors_sha256"]
 
 
 def schema_of(tensors: dict[str, Tensor], rows: bool = False) -> dict[str, list[Any]]:
@@ -63,3 +63,27 @@ def tensors_sha256(tensors: dict[str, Tensor]) -> str:
         if v.numel():  # raw bytes of any dtype (numpy has no bfloat16)
             h.update(v.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def check_loaded(
+    tensors: dict[str, Tensor], manifest: dict[str, Any], kind: str, name: str, what: str
+) -> None:
+    """Refuse loaded tensors whose names, shapes or dtypes differ from the manifest's record.
+
+    Args:
+        tensors: What was loaded (a file's tensors, or a stack's ``[N, ...]`` tensors).
+        manifest: The version's manifest.
+        kind: ``files`` or ``stacks``.
+        name: The file or stack name.
+        what: The file, for the message.
+    """
+    schemas = manifest.get("schemas")
+    if schemas is None:
+        return  # written before schemas were recorded: checked against the model only
+    if not isinstance(schemas, dict) or not isinstance(schemas.get(kind), dict):
+        raise CacheError(f"{what}: the manifest's tensor schemas are malformed; the cache is damaged")
+    expected = schemas[kind].get(name)
+    if expected is None:
+        raise CacheError(f"{what}: the manifest records no tensor schema for it; the cache is damaged")
+    fix = "the cache was modified after it was written; restore the run directory from a backup or fit again"
+    check_schema(tensors, expected, what, fix, rows=kind == "stacks")

@@ -2,18 +2,17 @@
 
 A stack's row digests are a snapshot blob (``[N, 32]`` digests, shared across versions) plus the
 rows that differ from it (``delta``); a new snapshot is written once the delta outgrows
-``sqrt(N)`` rows. :class:`StackStore` is the part of :class:`~fedshard_lightning.flcache.cache.FLCache`
-that reads and writes them.
+``sqrt(N)`` rows. :class:`StackStore` is the collaborator of
+:class:`~fedshard_lightning.flcache.cache.FLCache` that reads and writes them, over its reader.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError
@@ -21,7 +20,10 @@ from safetensors.torch import load, save
 from torch import Tensor
 
 from fedshard_lightning.errors import CacheError
-from fedshard_lightning.flcache.schema import check_schema
+from fedshard_lightning.flcache.schema import check_loaded, check_schema
+
+if TYPE_CHECKING:
+    from fedshard_lightning.flcache.reader import CacheReader
 
 __all__ = ["StackStore", "StackWrite"]
 
@@ -118,14 +120,17 @@ def _stack_rows(datas: list[bytes], what: str) -> dict[str, Tensor]:
 
 
 class StackStore:
-    """Stacks of :class:`~fedshard_lightning.flcache.cache.FLCache` (a mixin over its blobs and manifests)."""
+    """Stacks of :class:`~fedshard_lightning.flcache.cache.FLCache`, over the reader of its blobs and manifests."""
 
-    def stack_digests(
+    def __init__(self, reader: CacheReader) -> None:
+        self.reader = reader
+
+    def digests(
         self, name: str, version: str | None = None, manifest: dict[str, Any] | None = None
     ) -> list[str]:
         """Blob digest of every row of stack ``name`` in a version (snapshot plus delta)."""
-        version = version or self.current()
-        stacks = (manifest if manifest is not None else self.manifest(version)).get("stacks", {})
+        version = version or self.reader.current()
+        stacks = (manifest if manifest is not None else self.reader.manifest(version)).get("stacks", {})
         if name not in stacks:
             raise CacheError(f"the cache version {version} has no stack {name!r}")
         entry = stacks[name]
@@ -135,51 +140,57 @@ class StackStore:
         return digests
 
     def _snapshot(self, digest: str, rows: int, what: str) -> list[str]:
-        data = self._read_blob(digest, what, None)
+        data = self.reader.read_blob(digest, what, None)
         try:
             t = load(data)["digests"]
         except (SafetensorError, ValueError, KeyError) as e:
-            raise CacheError(f"{what}: {self.blob_path(digest)} is not a stack index ({e})") from None
+            raise CacheError(f"{what}: {self.reader.blob_path(digest)} is not a stack index ({e})") from None
         if t.dtype != torch.uint8 or tuple(t.shape) != (rows, 32):
             raise CacheError(f"{what}: the index holds {tuple(t.shape)} digests, expected ({rows}, 32)")
         raw = t.numpy().tobytes()
         return [raw[i * 32 : i * 32 + 32].hex() for i in range(rows)]
 
-    def stack(
+    def load(
         self,
         name: str,
         version: str | None = None,
         device: str | torch.device = "cpu",
         manifest: dict[str, Any] | None = None,
+        row_schema: dict[str, Any] | None = None,
     ) -> dict[str, Tensor]:
-        """Stacked tensors ``[N, ...]`` of stack ``name`` in a version, every row blob verified."""
-        version = version or self.current()
-        manifest = manifest if manifest is not None else self.manifest(version)
-        digests = self.stack_digests(name, version, manifest)
+        """Stacked tensors ``[N, ...]`` of stack ``name`` in a version, every row blob verified.
+
+        ``row_schema``, when given, is the model every row must match.
+        """
+        version = version or self.reader.current()
+        manifest = manifest if manifest is not None else self.reader.manifest(version)
+        digests = self.digests(name, version, manifest)
         what = f"stack {name} of cache version {version}"
         seen: dict[str, bytes] = {}
         datas = []
         for i, d in enumerate(digests):
             if d not in seen:
-                seen[d] = self._read_blob(d, f"row {i} of {what}", version)
+                seen[d] = self.reader.read_blob(d, f"row {i} of {what}", version)
             datas.append(seen[d])
         out = _stack_rows(datas, what)
-        self.check_loaded(out, manifest, "stacks", name, what)
-        if self.row_schema is not None:
+        check_loaded(out, manifest, "stacks", name, what)
+        if row_schema is not None:
             fix = "the cache was modified after it was written, or the configured model is not the run's"
-            check_schema(out, self.row_schema, what, fix + "; use the run's config.yaml", rows=True)
+            check_schema(out, row_schema, what, fix + "; use the run's config.yaml", rows=True)
         return {k: out[k].to(device) for k in sorted(out)}
 
-    def _write_stack(
+    def write(
         self,
         name: str,
         st: StackWrite,
         base: dict[str, Any] | None,
         base_version: str | None,
-        touched: list[Path],
-        dirs: set[Path],
+        put: Callable[[bytes], str],
     ) -> dict[str, Any]:
-        """Row blobs of the changed rows, and the stack's index entry (snapshot plus delta)."""
+        """Row blobs of the changed rows, and the stack's index entry (snapshot plus delta).
+
+        ``put`` stores bytes as a blob of the running commit and returns its digest.
+        """
         if not st.tensors:
             raise CacheError(f"stack {name!r} holds no tensors")
         n = next(iter(st.tensors.values())).shape[0]
@@ -189,7 +200,7 @@ class StackStore:
         same = entry is not None and entry["rows"] == n
         snapshot: list[str] | None = None
         if st.rows is not None and same:
-            digests = self.stack_digests(name, base_version, base)
+            digests = self.digests(name, base_version, base)
             rows = sorted({int(i) for i in st.rows})
             if rows and not 0 <= rows[0] <= rows[-1] < n:
                 raise CacheError(f"stack {name!r}: rows out of range 0..{n - 1}")
@@ -198,12 +209,12 @@ class StackStore:
         if rows:
             codec = _RowCodec(st.tensors)
             for i in rows:
-                digests[i] = self._put(codec.row(i), touched, dirs)
+                digests[i] = put(codec.row(i))
         if same:
             snapshot = self._snapshot(entry["snapshot"], n, f"index of {name} in {base_version}")
             delta = {str(i): d for i, d in enumerate(digests) if d != snapshot[i]}
             if len(delta) <= math.isqrt(n):
                 return {"rows": n, "snapshot": entry["snapshot"], "delta": delta}
         raw = torch.frombuffer(bytearray(b"".join(bytes.fromhex(d) for d in digests)), dtype=torch.uint8)
-        snap = self._put(save({"digests": raw.reshape(n, 32)}), touched, dirs)
+        snap = put(save({"digests": raw.reshape(n, 32)}))
         return {"rows": n, "snapshot": snap, "delta": {}}
