@@ -49,8 +49,7 @@ from fedshard_lightning.trainer.options import (
     check_tolerance,
 )
 from fedshard_lightning.trainer.requests import apply_request
-from fedshard_lightning.unlearning.base import Algorithm
-from fedshard_lightning.unlearning.contract import check_implemented
+from fedshard_lightning.unlearning.base import Algorithm, check_implemented
 
 __all__ = ["FederatedTrainer"]
 
