@@ -43,7 +43,6 @@ ANNOTATION_CIRCLES = {
     ("engine.fixed_blocks", "engine.local"),
     ("engine.lean_frames", "engine.lean_rounds"),
     ("engine.lean_rounds", "engine.engine"),
-    ("engine.participants", "engine.engine"),
     ("engine.stages", "engine.engine"),
 }
 
