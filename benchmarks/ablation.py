@@ -184,11 +184,16 @@ def main() -> None:
     ap.add_argument("--max_rounds", type=int, default=30, help="calibration cap of the paper row (auto)")
     ap.add_argument("--jobs", type=int, default=1, help="seeds fitted at once (one process each)")
     ap.add_argument("--json", default=None, help="write every seed's rows here")
-    ap.add_argument("--from_json", default=None, help="only print the tables of an earlier --json")
+    ap.add_argument(
+        "--from_json", nargs="+", default=None, help="only print the tables of earlier --json files"
+    )
     args = ap.parse_args()
     if args.from_json:
-        with open(args.from_json) as f:
-            print(summarize(json.load(f)))
+        results = []
+        for path in args.from_json:
+            with open(path) as f:
+                results += json.load(f)
+        print(summarize(results))
         return
     work = [(s, args.clients, args.local_epochs, args.max_rounds) for s in args.seeds]
     if args.jobs > 1:
