@@ -19,7 +19,8 @@ Rows (SPEC section 5, docs/fairness.md "FedShard's defaults and our variants"):
   FedAvg that trained longer.
 
 Every row's ``Z_c`` is FedShard's ``predict_cost([c])`` from its frozen tree (exact client-steps).
-Printed: per seed and row the fit's client-steps and M_e; then per row the mean M_e, the geometric
+Printed: per seed and row M_e over FedAvg's at the row's budget and the row's budget over ``C``; then
+per row the mean fit client-steps and M_e, the geometric
 mean of M_e / M_e(FedAvg) with its 95% t interval (on log ratios), and the paired differences of M_e
 against the paper row and against FedAvg at the row's budget, mean and 95% t interval over seeds.
 
@@ -137,18 +138,18 @@ def summarize(results: list[dict[str, Any]]) -> str:
     """Per-seed rows, then per row: mean M_e, ratio to FedAvg and paired differences with 95% t CIs."""
     results = sorted(results, key=lambda r: r["seed"])
     lines = [
-        "| seed | row | fit client-steps | M_e client-steps | FedAvg's at that budget | / FedAvg | / paper |",
-        "|---|---|---|---|---|---|---|",
+        "M_e / M_e of FedAvg at the row's fit budget, per seed (the row's fit client-steps / C below it):",
+        "",
+        "| seed | C | " + " | ".join(ROWS[:-1]) + " |",
+        "|---|---|" + "---|" * (len(ROWS) - 1),
     ]
     for res in results:
-        paper = res["rows"]["A1 + A2 (paper)"]["M_e"]
-        for name in ROWS:
+        cells = []
+        for name in ROWS[:-1]:
             r = res["rows"][name]
-            fa = fedavg_at(res, r["fit_client_steps"])
-            lines.append(
-                f"| {res['seed']} | {name} | {r['fit_client_steps']:,.0f} | {r['M_e']:.3g} | {fa:.3g} | "
-                f"{r['M_e'] / fa:.2f} | {r['M_e'] / paper:.2f} |"
-            )
+            ratio = r["M_e"] / fedavg_at(res, r["fit_client_steps"])
+            cells.append(f"{ratio:.2f} ({r['fit_client_steps'] / res['budget']:.2f})")
+        lines.append(f"| {res['seed']} | {res['budget']:,} | " + " | ".join(cells) + " |")
     n = len(results)
     lines += [
         "",
