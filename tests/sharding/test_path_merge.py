@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fedshard_lightning.experiments.budget import match_budget
+from fedshard_lightning.init_args import init_args
 from fedshard_lightning.sharding import (
     A1Merge,
     StageCosts,
@@ -94,6 +95,11 @@ def test_the_calibration_cap_matches_the_budget() -> None:
     capped, how = match_budget(FedShard(merge="a1_path", rounds="stage_a2"), 430, steps)
     assert capped.round_policy.max_rounds == 430 // (4 * 20) == 5
     assert how["rounds"] == 5 and "floor(C / (P S))" in how["rule"]
+    # a run reopened from its recorded settings calibrates with the cap it trained with
+    assert init_args(capped)["init_args"]["max_rounds"] == 5
+    template = FedShard(merge="a1_path", rounds="stage_a2")
+    match_budget(template, 430, steps)
+    assert template.round_policy.max_rounds == 30 == init_args(template)["init_args"]["max_rounds"]
     fixed, how = match_budget(FedShard(rounds="fixed"), 430, steps)
     assert how["rounds"] is None and fixed.round_policy.rounds_per_shard == 5
 
