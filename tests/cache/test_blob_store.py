@@ -1,5 +1,5 @@
 """FLCache format 2: content-addressed blobs shared by versions, stacks with snapshot + delta indexes,
-and a manifest whose load time does not grow with K (issue 18)."""
+and a manifest whose load time does not grow with K."""
 
 from __future__ import annotations
 

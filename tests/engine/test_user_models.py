@@ -1,4 +1,4 @@
-"""Models as a Lightning user writes them (issue 15): self.log, dropout, schedulers, plain LightningModule.
+"""Models as a Lightning user writes them: self.log, dropout, schedulers, plain LightningModule.
 
 References: the per-client loop in float64 (stacked == loop <= 1e-10), a client trained alone
 (neighbour independence, bit for bit in float32), and the audit's independent retraining
