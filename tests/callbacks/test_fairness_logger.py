@@ -69,13 +69,23 @@ def _table(history: list[dict], files: Path, key: str = "fairness/clients") -> l
     return [dict(zip(table["columns"], r, strict=True)) for r in table["data"]]
 
 
-def test_plain_digits_fit_logs_m_e_and_m_p_to_wandb_equal_to_numpy_of_its_per_client_costs(tmp_path):
+@pytest.mark.parametrize(
+    ("n", "size"),
+    [
+        # configs/digits.yaml at 8 clients, at most 3 rounds a shard (rounds: auto's cap)
+        pytest.param(8, ["--data.num_clients", "8", "--trainer.algorithm.max_rounds", "3"], id="8-clients"),
+        # as shipped (32 clients, up to 30 rounds a shard): the quickstart's replay fits the budget
+        pytest.param(32, [], id="as-shipped", marks=pytest.mark.slow),
+    ],
+)
+def test_plain_digits_fit_logs_m_e_and_m_p_to_wandb_equal_to_numpy_of_its_per_client_costs(tmp_path, n, size):
     root = tmp_path / "runs"
     code, out, err = cli(
         [
             "fit",
             "--config",
             str(REPO / "configs" / "digits.yaml"),
+            *size,
             "--trainer.wandb",
             "true",
             "--trainer.default_root_dir",
@@ -86,12 +96,12 @@ def test_plain_digits_fit_logs_m_e_and_m_p_to_wandb_equal_to_numpy_of_its_per_cl
     )
     assert code == 0, err
     (line,) = [x for x in out.splitlines() if x.startswith("fairness: M_p")]
-    assert line.startswith("fairness: M_p replays 32 single-client requests: "), out
+    assert line.startswith(f"fairness: M_p replays {n} single-client requests: "), out
     (run,) = root.iterdir()
     summary, history, files = _wandb_run(run)
     logged = {k: v for h in history for k, v in h.items() if k.startswith("fairness/")}
     clients = _table(history, files)
-    assert [c["client"] for c in clients] == list(range(32))
+    assert [c["client"] for c in clients] == list(range(n))
     z = [c["Z_steps"] for c in clients]
     alphas = [c["alpha"] for c in clients]
     assert logged["fairness/M_e_steps"] == pytest.approx(_numpy_m_e(z, alphas), rel=1e-12)
@@ -112,7 +122,7 @@ def test_plain_digits_fit_logs_m_e_and_m_p_to_wandb_equal_to_numpy_of_its_per_cl
     )
     assert json.loads((folder / "config.json").read_text())["method"] == "fedshard"
     hist = [h for h in history if "fairness/Z_steps/_type" in h][-1]
-    assert hist["fairness/Z_steps/_type"] == "histogram" and sum(hist["fairness/Z_steps/values"]) == 32
+    assert hist["fairness/Z_steps/_type"] == "histogram" and sum(hist["fairness/Z_steps/values"]) == n
     # The CSV holds the same scalars.
     with open(run / "logs" / "metrics.csv", newline="") as f:
         row = [r for r in csv.DictReader(f) if r.get("fairness/M_e_steps")][-1]
