@@ -210,6 +210,8 @@ def run_fit(trainer: Any, run_dir: Path, resume: bool, exclude: list[int]) -> di
     alg, resumed, finished = trainer.algorithm, False, False
     if resume and trainer.store.cache.exists():
         manifest = trainer.store.restore(alg, trainer.device, trainer.vectorize)
+        # A CURRENT rolled back past a request would otherwise resume as a run never unlearned.
+        check_history(run_dir, trainer.store.cache, manifest)
         if trainer.store.requests:
             raise CacheError(
                 f"{trainer.store.cache.root}: this run has unlearning requests already; it cannot be resumed"
