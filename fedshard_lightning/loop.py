@@ -401,8 +401,8 @@ def load_run(trainer: Any, run_dir: Path) -> None:
     if stale:
         trainer._write_model(params)  # never silently: a reader learns that the file had drifted
         trainer._print(
-            f"note: {' and '.join(str(run_dir / n) for n in stale)} differed from the cache or was missing; "
-            "rewrote it from the cache"
+            f"note: {' and '.join(str(run_dir / n) for n in stale)} differed from the cache or was missing "
+            "(or was a symbolic link); rewrote it from the cache"
         )
     else:
         trainer._set_params(params)
