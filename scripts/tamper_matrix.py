@@ -785,7 +785,10 @@ def run_kind(kind: Kind, bases: Bases, work: Path) -> Result:
         original = _state(kind.tampered(run)) if kind.tampered else None
         kind.damage(run, case)
         before = tree_hash(case)
-        code, out, err = cli(kind.command(run))
+        try:
+            code, out, err = cli(kind.command(run))
+        except Exception as e:  # what the CLI would print as a traceback
+            return Result(kind, "FAILED", f"traceback: {type(e).__name__}: {e}", time.monotonic() - t)
         lines = [ln for ln in error_lines(err) if not ln.startswith("note: ")]
         if "Traceback" in err:
             return Result(kind, "FAILED", f"traceback: {lines[-1] if lines else ''}", time.monotonic() - t)
