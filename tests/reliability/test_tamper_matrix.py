@@ -17,6 +17,7 @@ from _reliability_helpers import ROOT
 
 _spec = importlib.util.spec_from_file_location("tamper_matrix", ROOT / "scripts" / "tamper_matrix.py")
 tamper_matrix = importlib.util.module_from_spec(_spec)
+sys.modules["tamper_matrix"] = tamper_matrix  # its dataclasses look their module up there
 _spec.loader.exec_module(tamper_matrix)
 
 #: Without the key, one per outcome and the kinds a fix was made for.
