@@ -49,8 +49,9 @@ import torch
 from _reliability_helpers import TINY, cli, copy_run, error_lines, tree_hash
 from safetensors.torch import load, save
 
-from fedshard_lightning.cache import FLCache, sha256_file
-from fedshard_lightning.manifest_key import KEY_VARIABLE, pointer
+from fedshard_lightning.flcache.cache import FLCache
+from fedshard_lightning.flcache.io import sha256_file
+from fedshard_lightning.flcache.manifest_key import KEY_VARIABLE, pointer
 
 KEY = "tamper-matrix key"
 
