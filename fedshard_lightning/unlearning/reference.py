@@ -19,7 +19,7 @@
 The two computations round differently. In float64 they agree to about 1e-15. In float32 the
 stacked kernels, the engine's blocked sums and the float32 products of the children's averages
 round otherwise than the loop and a float64 mean, and training amplifies the rounding over rounds
-and stages (0 to 1e-2 measured, docs/unlearning.md). So the reference is judged by a relative
+and stages (figures in docs/unlearning.md). So the reference is judged by a relative
 tolerance chosen by dtype (:data:`REFERENCE_RTOL`): tight in float64, where it certifies the
 algorithm, loose in float32 and half precision, where it catches a wrong model (another client
 set, a changed tree, a damaged weight) but not a rounding-sized fault; there the bit-equality
