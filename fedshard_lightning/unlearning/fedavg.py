@@ -19,6 +19,7 @@ from fedshard_lightning.engine import Group, stack_params, unstack_params
 from fedshard_lightning.flcache.cache import FLCache
 from fedshard_lightning.limits import check_count
 from fedshard_lightning.unlearning.base import Algorithm, UnlearnResult
+from fedshard_lightning.unlearning.reference import ReferenceReplay
 
 __all__ = ["FedAvg"]
 
@@ -92,6 +93,11 @@ class FedAvg(Algorithm):
         self.params = params
         self.unlearned = sorted({*self.unlearned, *clients})
         return UnlearnResult(params, steps, predicted, predicted, seconds)
+
+    def reference_params(self) -> dict[str, Tensor]:
+        """The independent reference: one group of the remaining clients, ``rounds`` rounds from theta^0."""
+        group = Group(0, tuple(self.active_clients), self.rounds)
+        return ReferenceReplay(self.engine).fedavg(self.theta0, group, stage=0)
 
     # -- cache ------------------------------------------------------------------------------------
     def cache_files(
