@@ -14,6 +14,13 @@ IEEE S&P 2022). This module owns what the federated setting adds:
 * **After unlearning**: for each audited client ``c``, the model after unlearning ``c`` alone
   scores ``c``'s examples and the evaluation half of the test set; those are pooled over ``c``
   (the replay's protocol, :class:`~fedshard_lightning.metrics.membership.MembershipAudit`).
+* **Per-label offset.** Under non-IID data the audited clients hold a few labels, and how much
+  more confident the target is than the shadows differs between labels (it depends on how many
+  samples of the label the rest of the federation holds). That would let the attack "separate"
+  the audited clients from the test set by label alone, even for a model that never saw them
+  (on digits, K = 64, 4 audited clients, seed 0, the scores without it give AUC 0.33 after
+  FedAvg's exact retraining: below chance, by label). So every score is shifted by the mean score of the *fitting* test half's examples of
+  the same label under the same model: a member is compared with non-members of its own label.
 * **F1** (kept for continuity with the paper's Table 3) needs a threshold: the one maximising
   F1 on the *fitting* set, the non-audited clients' examples (members, scored with their OUT
   shadows only) against the other half of the test set, under the fitted model. It is then
@@ -165,6 +172,9 @@ class CalibratedAudit:
         perm = np.random.default_rng([self.seed, 7_177]).permutation(n_test)
         self.fit_test, self.eval_test = np.sort(perm[: n_test // 2]), np.sort(perm[n_test // 2 :])
         self.member_idx = {c: datamodule.client_indices[c].cpu().numpy() for c in self.audited}
+        self._train_y = datamodule.train_y.cpu().numpy()
+        self._test_y = datamodule.test_y.cpu().numpy()
+        self._num_labels = int(max(self._train_y.max(), self._test_y.max())) + 1
         # every audited example and every test example is OUT in every shadow
         for c, idx in self.member_idx.items():
             if shadows.train_in[:, idx].any():
@@ -181,7 +191,16 @@ class CalibratedAudit:
             tr[has_out], sh.train_phi[:, has_out], ~sh.train_in[:, has_out], sh.sigma
         )
         test_scores, _ = calibrated_scores(te, sh.test_phi, None, sh.sigma)
-        return train_scores, test_scores
+        offset = self._label_offsets(test_scores)
+        return train_scores - offset[self._train_y], test_scores - offset[self._test_y]
+
+    def _label_offsets(self, test_scores: np.ndarray) -> np.ndarray:
+        """Mean score of the fitting test half per label (the overall mean for an absent label)."""
+        fit_y, fit_s = self._test_y[self.fit_test], test_scores[self.fit_test]
+        offset = np.full(self._num_labels, float(fit_s.mean()))
+        for y in np.unique(fit_y):
+            offset[y] = float(fit_s[fit_y == y].mean())
+        return offset
 
     def _f1(self, members: np.ndarray, nonmembers: np.ndarray) -> float:
         rng = np.random.default_rng(self.seed)

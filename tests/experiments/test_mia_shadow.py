@@ -69,3 +69,34 @@ def test_compare_writes_the_calibrated_mia(tmp_path):
     assert d["ci"][0] <= d["diff"] <= d["ci"][1]
     assert "Membership inference" in (tmp_path / "compare.md").read_text()
     assert (tmp_path / "mia_scores.npz").is_file()
+
+
+def test_label_offset_removes_a_shift_by_label(monkeypatch):
+    """A model more confident on label 0 than the shadows, for members and test alike: AUC 0.5, not 1."""
+    from types import SimpleNamespace
+
+    from fedshard_lightning.experiments import mia_shadow
+    from fedshard_lightning.experiments.mia_shadow import CalibratedAudit, ShadowSet
+
+    rng = np.random.default_rng(0)
+    train_y = np.r_[np.zeros(40, int), rng.integers(0, 3, 80)]  # client 0 holds only label 0
+    test_y = rng.integers(0, 3, 200)
+    dm = SimpleNamespace(
+        client_indices=[torch.arange(40), torch.arange(40, 80), torch.arange(80, 120)],
+        train_y=torch.as_tensor(train_y),
+        test_y=torch.as_tensor(test_y),
+    )
+    noise_train, noise_test = rng.normal(0, 1, 120), rng.normal(0, 1, 200)
+    shift = np.array([3.0, 0.0, 0.0])
+    monkeypatch.setattr(
+        mia_shadow,
+        "_confidences",
+        lambda module, params, dm: (shift[train_y] + noise_train, shift[test_y] + noise_test),
+    )
+    train_in = np.zeros((2, 120), bool)
+    train_in[0, 40:80], train_in[1, 80:] = True, True
+    shadows = ShadowSet(np.zeros((2, 120)), np.zeros((2, 200)), train_in, 1.0, [[1], [2]])
+    scores = CalibratedAudit(None, dm, shadows, [0]).before({})
+    assert abs(scores.auc - 0.5) < 0.15  # without the offset: about 0.98
+    raw = shift[train_y[:40]] + noise_train[:40]
+    assert mia_shadow.roc_auc(raw, shift[test_y] + noise_test) > 0.8
