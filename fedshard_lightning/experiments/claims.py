@@ -118,10 +118,12 @@ def _paired(rows, a: str, b: str, key: str, op: Callable[[float, float], float])
 # -- the rows ---------------------------------------------------------------------------------------
 
 
+def _k(compare: dict[str, Any]) -> Any:
+    return next((r.get("num_clients") for r in compare["rows"] if r.get("num_clients")), "?")
+
+
 def _setting(compare: dict[str, Any]) -> str:
-    rows = compare["rows"]
-    k = next((r.get("num_clients") for r in rows if r.get("num_clients")), "?")
-    return f"K={k}, seeds {compare.get('seeds')}"
+    return f"K={_k(compare)}, seeds {compare.get('seeds')}"
 
 
 def _ef(compare, fs) -> Claim:
@@ -209,7 +211,7 @@ def _pf(compare, fs) -> Claim:
     )
 
 
-def _mia(mia: dict[str, Any] | None, fs: str) -> Claim:
+def _mia(mia: dict[str, Any] | None, fs: str, where: str = "") -> Claim:
     paper = (
         "MIA F1 91.37 non-unlearned -> FS 35.04, FA 34.18 (CIFAR-10, Table 3): FS forgets as retraining does"
     )
@@ -225,7 +227,7 @@ def _mia(mia: dict[str, Any] | None, fs: str) -> Claim:
     d = e.get("after_auc_minus_fedavg")
     b, a = e["before"], e["after"]
     ours = (
-        f"offline LiRA, {e['seeds']} seed(s): FS AUC {b['auc']:.3f} [{b['auc_ci'][0]:.3f}, {b['auc_ci'][1]:.3f}] "
+        f"{where}offline LiRA, {e['seeds']} seed(s): FS AUC {b['auc']:.3f} [{b['auc_ci'][0]:.3f}, {b['auc_ci'][1]:.3f}] "
         f"(TPR@1%FPR {b['tpr_at_1fpr']:.3f}) before -> {a['auc']:.3f} after; FA {fa['before']['auc']:.3f} -> "
         f"{fa['after']['auc']:.3f}; FS - FA after: {d['diff']:+.3f} [{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}] (paired bootstrap)"
         if d
@@ -453,12 +455,13 @@ def build_claims(
     cascade: dict[str, Any] | None,
     poisoning: dict[str, Any] | None,
     fedshard: str = "fedshard",
+    mia_setting: str = "",
 ) -> list[Claim]:
     """Every row of the table from the experiments' JSON results (``None`` where not run)."""
     return [
         _ef(compare, fedshard),
         _pf(compare, fedshard),
-        _mia(mia, fedshard),
+        _mia(mia, fedshard, mia_setting),
         _speed(
             compare,
             fedshard,
@@ -557,6 +560,7 @@ def claims(
     poisoning_config: str = "configs/poisoning/approximate.yaml",
     run_missing: bool = True,
     mia_bootstrap: int = 1000,
+    mia_config: str | None = None,
 ) -> dict[str, Any]:
     """Write the claims table; run the experiments whose results are not in ``workdir`` yet.
 
@@ -574,6 +578,10 @@ def claims(
         poisoning_config: ``poisoning`` config.
         run_missing: Run absent experiments (``false``: mark their rows "not measured").
         mia_bootstrap: Bootstrap draws of the MIA's CIs when several compare folders are pooled.
+        mia_config: A ``compare`` config of its own for the MIA row (e.g. a setting that
+            memorises, ``configs/compare/mia_synthetic.yaml``), run into ``mia/``; the MIA row
+            also reads ``mia/`` or ``mia-*/`` when they exist. ``None`` and no such folder: the
+            MIA of the main comparison.
     """
     work = Path(workdir)
     seeds = [0] if small and seeds is None else seeds
@@ -585,6 +593,7 @@ def claims(
         ("ablation", "compare.json", ablation_config, extra),
         ("cascade", "cascade.json", cascade_config, []),
         ("poisoning", "poisoning.json", poisoning_config, []),
+        *((("mia", "compare.json", mia_config, extra),) if mia_config else ()),
     )
     results: dict[str, Any] = {}
     for name, file, config, args in jobs:
@@ -594,6 +603,7 @@ def claims(
         from fedshard_lightning.experiments import cascade, compare, poisoning
 
         function = {
+            "mia": compare.compare,
             "compare": compare.compare,
             "ablation": compare.compare,
             "cascade": cascade.cascade,
@@ -603,13 +613,16 @@ def claims(
         results[name] = _merged(work, name, file)
     if results["compare"] is None:
         raise SystemExit(f"no comparison results in {work / 'compare'}: run with run_missing true")
+    mia_source = results.get("mia") or _merged(work, "mia", "compare.json") or results["compare"]
+    own = mia_source is not results["compare"]
     rows = build_claims(
         results["compare"],
-        _merged_mia(work, results["compare"]["folders"], fedshard, mia_bootstrap),
+        _merged_mia(work, mia_source["folders"], fedshard, mia_bootstrap),
         results["ablation"],
         results["cascade"],
         results["poisoning"],
         fedshard,
+        f"{', '.join(Path(f).name for f in mia_source['folders'])} (K={_k(mia_source)}): " if own else "",
     )
     command = (
         f"python -m fedshard_lightning.experiments.claims --workdir {workdir} --out {out}"
