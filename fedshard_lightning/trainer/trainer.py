@@ -334,6 +334,10 @@ class FederatedTrainer:
         if self.is_global_zero:
             print(text, flush=True)
 
+    def record_config(self, text: str) -> None:
+        """The command line's resolved config (YAML): fit writes it into the run directory as ``config.yaml``."""
+        self.config_yaml = text
+
     def view(self) -> RunView:
         """What callbacks see of the run now (read-only; made for each hook call)."""
         return RunView(
