@@ -328,7 +328,15 @@ def _run_seed(
                 )
         mia_cal = None
         if mia_attack == "calibrated":
-            mia_cal = calibrated_mia(alg, trainer, shadows, clients, seed, after=replay_mode == "measured")
+            mia_cal = calibrated_mia(
+                alg,
+                trainer.module,
+                trainer.datamodule,
+                shadows,
+                clients,
+                seed,
+                after=replay_mode == "measured",
+            )
         s = replay.summary or {}
         # every client's exact cost, predicted from the fitted state (the replay restored it)
         z_steps = [float(alg.predict_cost([c])) for c in range(k)]

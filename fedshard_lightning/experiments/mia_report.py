@@ -16,21 +16,30 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from lightning import LightningModule
 
+from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.experiments.mia_shadow import CalibratedAudit, MIAScores, ShadowSet
 from fedshard_lightning.metrics.mia_calibrated import auc_difference_ci, tpr_at_fpr
+from fedshard_lightning.unlearning.base import Algorithm
 
 __all__ = ["calibrated_mia", "load_scores", "mia_markdown", "save_scores", "write_mia_summary"]
 
 
 def calibrated_mia(
-    algorithm: Any, trainer: Any, shadows: ShadowSet, clients: Sequence[int], seed: int, after: bool = True
+    algorithm: Algorithm,
+    module: LightningModule,
+    datamodule: FederatedDataModule,
+    shadows: ShadowSet,
+    clients: Sequence[int],
+    seed: int,
+    after: bool = True,
 ) -> dict[str, MIAScores]:
     """``{"before": ..., "after": ...}`` scores of the fitted ``algorithm`` (its state is unchanged).
 
     ``after=False`` scores the fitted model only (no unlearning is run).
     """
-    audit = CalibratedAudit(trainer.module, trainer.datamodule, shadows, clients, seed)
+    audit = CalibratedAudit(module, datamodule, shadows, clients, seed)
     before = audit.before(algorithm.current_params())
     if not after:
         return {"before": before}

@@ -42,7 +42,7 @@ def test_shadows_never_see_the_audited_clients_and_leave_the_state_alone(tmp_pat
     assert (shadows.train_in[:, others].sum(axis=0) == 2).all()
     assert all(not {1, 6} & set(c) for c in shadows.clients)
     assert shadows.train_phi.shape == (4, len(dm.train_y)) and shadows.sigma > 0
-    res = calibrated_mia(alg, trainer, shadows, [1, 6], seed=0)
+    res = calibrated_mia(alg, trainer.module, trainer.datamodule, shadows, [1, 6], seed=0)
     assert len(res["before"].members) == len(audited) == len(res["after"].members)
     assert len(res["before"].nonmembers) == 20 and len(res["after"].nonmembers) == 40  # pooled over 2 models
     assert 0 <= res["before"].auc <= 1 and 0 <= res["after"].tpr_at_1fpr <= 1
