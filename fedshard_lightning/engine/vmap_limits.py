@@ -22,28 +22,34 @@ import lightning
 import torch
 from torch import nn
 
-import fedshard_lightning
 from fedshard_lightning.engine.step_context import NotVectorizable, RandomInStep
 
 __all__ = ["not_vectorizable", "user_line", "vmap_blocker"]
 
 
 def _library_roots() -> tuple[str, ...]:
-    roots = [Path(m.__file__).parent for m in (torch, lightning, fedshard_lightning)]
+    roots = [Path(m.__file__).parent for m in (torch, lightning)]
+    roots.append(Path(__file__).resolve().parents[1])  # this package
     tm = sys.modules.get("torchmetrics")
     if tm is not None and tm.__file__:
         roots.append(Path(tm.__file__).parent)
-    roots.append(Path(os.__file__).parent)  # the standard library (functools, contextlib)
     return tuple(str(r) + os.sep for r in roots)
+
+
+def _is_library(filename: str) -> bool:
+    """torch, Lightning, torchmetrics, this package, or the standard library (not its site-packages)."""
+    path = os.path.abspath(filename)
+    stdlib = str(Path(os.__file__).parent) + os.sep
+    if path.startswith(stdlib) and "site-packages" not in path and "dist-packages" not in path:
+        return True
+    return path.startswith(_library_roots()) or filename.startswith("<")
 
 
 def user_line(tb: TracebackType | None) -> str | None:
     """``Class.method at file.py:LINE: code`` of the deepest frame in the user's own code, else None."""
-    roots = _library_roots()
     found = None
     while tb is not None:
-        code = tb.tb_frame.f_code
-        if not os.path.abspath(code.co_filename).startswith(roots) and not code.co_filename.startswith("<"):
+        if not _is_library(tb.tb_frame.f_code.co_filename):
             found = tb
         tb = tb.tb_next
     if found is None:

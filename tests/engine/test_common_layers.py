@@ -57,6 +57,13 @@ class BiasKVAttention(TinyTransformer):
         self.enc.self_attn = nn.MultiheadAttention(8, 2, dropout=0.2, add_bias_kv=True, batch_first=True)
 
 
+class NoisyInput(Plain):
+    """Noise drawn in forward with torch.randn_like: the loop trains it, and the reason names this line."""
+
+    def forward(self, x):
+        return self.net(x + 0.1 * torch.randn_like(x))
+
+
 class MetricMLP(Plain):
     """GELU and LayerNorm, a torchmetrics accuracy called and logged in the step, Adam + StepLR dict."""
 
@@ -183,6 +190,16 @@ def test_attention_outside_the_keyed_form_falls_back_naming_the_layer():
     assert eng.mode == "loop"
     assert "BiasKVAttention.enc.self_attn is nn.MultiheadAttention(add_bias_kv=True" in lines[0]
     assert "\n" not in lines[0]
+
+
+def test_a_loop_fallback_names_the_user_s_own_line():
+    eng = _engine(NoisyInput, "always")
+    lines: list[str] = []
+    eng.on_mode = lines.append
+    _fit(eng)
+    assert eng.mode == "loop" and "\n" not in lines[0]
+    assert "NoisyInput.forward at test_common_layers.py:" in lines[0]
+    assert "torch.randn_like(x)" in lines[0]
 
 
 def test_metric_state_is_per_client_and_left_as_it_was():
