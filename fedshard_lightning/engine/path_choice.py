@@ -322,8 +322,8 @@ BUDGET_SHARE = 0.02
 def probe_budget(work: int | None, loop_s_per_step: float) -> float:
     """Seconds the probe may take: ``max(BUDGET_S, BUDGET_SHARE x the call's predicted time)``.
 
-    The prediction is the call's client-steps at the loop's measured speed (an upper bound: the
-    probe picks the loop only where it is the faster path).
+    The prediction is the call's client-steps at a measured speed: the loop's while only the loop
+    has run, then the faster path's (both first runs include one-time costs, so it errs long).
     """
     predicted = (work or 0) * loop_s_per_step
     return max(BUDGET_S, BUDGET_SHARE * predicted)
@@ -351,11 +351,12 @@ def time_paths(
     first on 2 clients (its cost is linear in clients); its speed predicts the call and so the
     budget (:func:`probe_budget`), and how many clients (2 to 8) the stacked path can run within
     it (its cost per client falls with more clients, so fewer is conservative). Both first runs
-    must agree (losses within rounding); they are timed too, kernel building included. Further
-    interleaved timings, whose best time per client counts (one preempted run on a busy machine
-    does not decide), run only while the budget lasts. Where the stacked path is the cheaper, a
-    client's bits must not depend on its neighbours (:func:`.neighbours.neighbour_dependence`),
-    else the loop trains it.
+    must agree (losses within rounding); they are timed too, kernel building included, and the
+    faster one sets the budget anew. Further interleaved timings, whose best time per client
+    counts (one preempted run on a busy machine does not decide), run only while the budget
+    lasts. Where the stacked path is the cheaper, a client's bits must not depend on its
+    neighbours (:func:`.neighbours.neighbour_dependence`), else the loop trains it; these two
+    first runs and that check are what exactness needs, so they run whatever the budget.
 
     Args:
         local: The engine's local trainer.
@@ -406,6 +407,7 @@ def time_paths(
                 "(relative) in two local steps: training_step does something vmap does not batch exactly"
             )
         runs["stacked"] = (fn, sub)
+        budget = probe_budget(work, min(per_client.values()) / 2)  # the call at the faster path's speed
         repeats = 0
         while repeats < 2:  # timings without kernel building, while the budget lasts
             one = sum(per_client[m] * len(runs[m][1].clients) for m in runs)
@@ -431,5 +433,5 @@ def time_paths(
         dependent = neighbour_dependence(local, start, batch)
         if dependent is not None:
             return "loop", f"vectorize: auto; {dependent}: {_unexact(start)}"
-    say(f"vectorize: auto: done in {time.perf_counter() - t0:.1f}s")
+    say(f"vectorize: auto: done in {time.perf_counter() - t0:.1f}s (budget {budget:.0f}s)")
     return mode, reason
