@@ -10,7 +10,9 @@ happens per round or per stage, never per local step, and the live line is redra
 
 The ETA assumes the remaining stages cost what the finished ones did on average (FedShard's
 stages train every client for a similar number of rounds); before the first stage ends it
-projects the current stage from its rounds so far.
+projects the current stage from its rounds so far. The time ``vectorize: auto`` spent choosing
+the path (the engine's ``probe_seconds``, paid once) is left out of the rate and the ETA, so the
+first ETA is the training's own; the elapsed time shown is the wall clock's.
 """
 
 from __future__ import annotations
@@ -45,6 +47,13 @@ def format_rate(rate: float) -> str:
     return "0" if rate <= 0 else "<0.01"
 
 
+def _probe_seconds(trainer: Any) -> float:
+    """Seconds the trainer's engine spent choosing its path (0 without one)."""
+    engine = getattr(getattr(trainer, "algorithm", None), "engine", None)
+    seconds = getattr(engine, "probe_seconds", 0.0)
+    return float(seconds) if isinstance(seconds, (int, float)) else 0.0
+
+
 class ProgressBar(FederatedCallback):
     """Live progress on terminals, one log line per stage elsewhere.
 
@@ -69,7 +78,9 @@ class ProgressBar(FederatedCallback):
         self._shown = float("-inf")  # nothing shown yet: the first round is (perf_counter counts from boot)
         self._progress: Any = None
         self._task: Any = None
-        self._t0 = 0.0
+        self._t0 = 0.0  # the start, moved later by the path choice's seconds (rate and ETA)
+        self._wall0 = 0.0  # the start (elapsed)
+        self._probe_seen = 0.0
         self._stage_t0 = 0.0
         self._stages_done = 0
         self._stage = 0
@@ -118,7 +129,7 @@ class ProgressBar(FederatedCallback):
             (f"{format_rate(self._rate())} client-steps/s", 3),
             (status, 1),
             (f"ETA {format_seconds(eta) if eta is not None else '?'}", 0),
-            (f"elapsed {format_seconds(time.perf_counter() - self._t0)}" if elapsed else "", 2),
+            (f"elapsed {format_seconds(time.perf_counter() - self._wall0)}" if elapsed else "", 2),
         ]
 
     def _line(self) -> str:
@@ -132,10 +143,19 @@ class ProgressBar(FederatedCallback):
         width = getattr(getattr(self._progress, "console", None), "width", 80)
         self._progress.update(self._task, description=self.live_line(width, status), **fields)
 
+    def _leave_out_probe(self, trainer: Any) -> None:
+        """Move the clocks past the seconds the path choice took since the last look."""
+        probe = _probe_seconds(trainer)
+        if probe > self._probe_seen:
+            self._t0 += probe - self._probe_seen
+            self._stage_t0 += probe - self._probe_seen
+            self._probe_seen = probe
+
     # -- hooks -----------------------------------------------------------------------------------
     def on_fit_start(self, run: RunView) -> None:
         """Start the clock; learn P from the algorithm when it plans its stages."""
-        self._t0 = self._stage_t0 = self._printed = time.perf_counter()
+        self._t0 = self._wall0 = self._stage_t0 = self._printed = time.perf_counter()
+        self._probe_seen = _probe_seconds(trainer)
         self._stages_done, self._steps = 0, 0.0
         planned = getattr(run.algorithm, "planned_stages", None)
         self._planned = planned if isinstance(planned, int) and planned > 0 else None
@@ -165,6 +185,7 @@ class ProgressBar(FederatedCallback):
         """Advance: the round, the throughput and the ETA, with the loss and accuracy."""
         self._round = int(info.round) + 1
         self._steps = float(metrics.get("client_steps", self._steps))
+        self._leave_out_probe(trainer)
         now = time.perf_counter()
         if (
             self._round < self._rounds
@@ -173,7 +194,7 @@ class ProgressBar(FederatedCallback):
             and (self.plain or not self._live())
         ):
             self._printed = now
-            print(f"fit: {self._line()} · elapsed {format_seconds(now - self._t0)}", flush=True)
+            print(f"fit: {self._line()} · elapsed {format_seconds(now - self._wall0)}", flush=True)
         if self._progress is None or (
             self._round < self._rounds and now - self._shown < self.refresh_every_s
         ):
@@ -188,6 +209,7 @@ class ProgressBar(FederatedCallback):
     def on_stage_end(self, run: RunView, stage: int, metrics: dict[str, float]) -> None:
         """Count the stage; off a terminal print its line (with elapsed time and ETA)."""
         self._stages_done += 1
+        self._leave_out_probe(trainer)
         self._stage_t0 = time.perf_counter()
         self._round = self._rounds
         if run.is_global_zero and (self.plain or not self._live()):
@@ -198,7 +220,7 @@ class ProgressBar(FederatedCallback):
                 f"fit: {self._stage_label()} done · {self._rounds} round(s) · {self._groups} group(s), "
                 f"{self._clients} clients · {format_rate(self._rate())} client-steps/s · "
                 + (f"test_accuracy {acc:.4f} · " if isinstance(acc, (int, float)) else "")
-                + f"elapsed {format_seconds(self._stage_t0 - self._t0)} · "
+                + f"elapsed {format_seconds(self._stage_t0 - self._wall0)} · "
                 f"ETA {format_seconds(eta) if eta is not None else '?'}",
                 flush=True,
             )

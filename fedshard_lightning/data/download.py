@@ -31,10 +31,12 @@ __all__ = [
     "RemoteFile",
     "extract",
     "fetch",
+    "file_digests",
     "find_first",
     "load_or_download",
     "missing_files_error",
     "set_aside",
+    "unofficial",
     "verify",
 ]
 
@@ -107,6 +109,24 @@ def _digests(path: Path, file: RemoteFile) -> dict[str, str]:
             for h in hashers.values():
                 h.update(chunk)
     return {algo: h.hexdigest() for algo, h in hashers.items()}
+
+
+def file_digests(path: Path) -> dict[str, str]:
+    """SHA-256 and MD5 of ``path`` in one read (what the run's fingerprint and the checks compare)."""
+    hashers = {"sha256": hashlib.sha256(), "md5": hashlib.md5(usedforsecurity=False)}
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            for h in hashers.values():
+                h.update(chunk)
+    return {algo: h.hexdigest() for algo, h in hashers.items()}
+
+
+def unofficial(file: RemoteFile, digests: dict[str, str]) -> str | None:
+    """``algo OFFICIAL official, HERE here`` where ``digests`` are not ``file``'s published ones, else None."""
+    for algo, want in (("sha256", file.sha256), ("md5", file.md5)):
+        if want is not None and digests.get(algo) != want:
+            return f"{algo} {want} official, {digests.get(algo)} here"
+    return None
 
 
 def _mismatch(path: Path, file: RemoteFile, quick: bool = False) -> str | None:

@@ -7,6 +7,11 @@ rest that every such dataset would otherwise repeat: ``<data_dir>/<folder>``, ``
 and unpacking verified files when ``download: true``, downloading from ``setup`` as well when a
 Fabric loop never called ``prepare_data``, the one-line error for absent files, and reading both
 splits once for datasets whose test encoding depends on the training split.
+
+With ``download: false`` the files found are used as they are: one whose checksum is not the
+published one (a subset, a re-encoded copy) is used with one ``note:`` line naming it and both
+hashes. The files' SHA-256 (:meth:`FileDataModule.data_files`) enter the run's fingerprint, so a
+resume, ``unlearn`` or ``audit`` on changed files is refused in one line.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import ClassVar
 
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 
 from fedshard_lightning.data.base import FederatedDataModule
@@ -22,9 +28,11 @@ from fedshard_lightning.data.download import (
     MissingFilesError,
     RemoteFile,
     fetch,
+    file_digests,
     find_first,
     load_or_download,
     missing_files_error,
+    unofficial,
 )
 
 __all__ = ["FileDataModule"]
@@ -74,8 +82,50 @@ class FileDataModule(FederatedDataModule):
             self.unpack(fetch(file, self.root))
 
     def load_split(self, train: bool) -> Split:
-        """:meth:`read_split`, downloading first when files are missing and ``download`` is set."""
-        return load_or_download(self, self.read_split, train)
+        """:meth:`read_split`, downloading first when files are missing and ``download`` is set.
+
+        Files that are not the official ones get their ``note:`` line (once per file) after reading.
+        """
+        split = load_or_download(self, self.read_split, train)
+        self._note_unofficial()
+        return split
+
+    def _found(self) -> list[tuple[RemoteFile, Path]]:
+        """Each resource found under ``root`` by its own name or its uncompressed twin's."""
+        found = []
+        for file in self.resources:
+            path = find_first(self.root, (file.name, file.name.removesuffix(".gz")))
+            if path is not None:
+                found.append((file, path))
+        return found
+
+    def _digests(self, path: Path) -> dict[str, str]:
+        """:func:`file_digests` of ``path``, read once while its size and time stay the same."""
+        st = path.stat()
+        stamp = (st.st_size, st.st_mtime_ns)
+        kept = self.__dict__.setdefault("_file_digests", {})
+        if kept.get(path, (None,))[0] != stamp:
+            kept[path] = (stamp, file_digests(path))
+        return kept[path][1]
+
+    def data_files(self) -> dict[str, str]:
+        """SHA-256 of every dataset file found, by its name under ``root`` (the run's fingerprint has them)."""
+        return {path.name: self._digests(path)["sha256"] for _, path in self._found()}
+
+    def _note_unofficial(self) -> None:
+        """One ``note:`` line per file found under its official name whose checksum is not the official one."""
+        noted = self.__dict__.setdefault("_noted_files", set())
+        for file, path in self._found():
+            if path.name != file.name or path in noted:
+                continue  # an uncompressed twin has no published checksum to compare with
+            differs = unofficial(file, self._digests(path))
+            noted.add(path)
+            if differs is not None and rank_zero_only.rank == 0:
+                print(
+                    f"note: {self.dataset_name} uses {path}, which is not the official file ({differs}); "
+                    "results on it are not comparable with the published ones",
+                    flush=True,
+                )
 
     def missing(self, expected: Sequence[str] | None = None) -> MissingFilesError:
         """The one-line error for absent files (default: every resource's name)."""

@@ -140,6 +140,11 @@ class FederatedEngine:
             )
         # Called once with a one-line account of the path taken (e.g. the trainer's print).
         self.on_mode: Callable[[str], None] | None = None
+        # ``vectorize: auto``'s progress lines while it times the paths (e.g. the trainer's print).
+        self.on_probe: Callable[[str], None] | None = None
+        # Seconds spent choosing the path (a progress display leaves them out of its rate).
+        self.probe_seconds = 0.0
+        self._work: int | None = None
         self._announced = False
         self.chunk = max_chunk_clients or self._chunk_from_budget(memory_budget_mb)
         self.policy: ParticipantPolicy = KeyedSampling(self.client_fraction, self.seed)
@@ -267,7 +272,11 @@ class FederatedEngine:
 
     def _probe(self, start: dict[str, Tensor], batch: ClientBatch) -> str:
         """``vectorize: auto``: time both paths on this model (:func:`.path_choice.choose_path`)."""
-        mode, self.mode_reason = choose_path(self.local, start, batch)
+        t = time.perf_counter()
+        try:
+            mode, self.mode_reason = choose_path(self.local, start, batch, self.on_probe, self._work)
+        finally:
+            self.probe_seconds += time.perf_counter() - t
         return mode
 
     def set_mode(self, mode: str) -> None:
@@ -287,6 +296,10 @@ class FederatedEngine:
     def decide(self, init: dict[str, Tensor], groups: Sequence[Group], stage: int) -> None:
         """``vectorize: auto``: decide on what the general path's first round would time (``always``: check it)."""
         if self._mode is None or self._unchecked:
+            steps = self.local.schedule.plan_steps(self.sizes)
+            self._work = int(
+                sum(g.rounds * int(steps[list(g.clients)].sum()) for g in groups) * self.client_fraction
+            )
             sample = first_round_sample(init, groups, stage, self.participants, self.sizes, self.chunk)
             if sample is not None:
                 self._decide_on(*sample)

@@ -20,6 +20,7 @@ import hashlib
 import json
 import math
 import os
+import platform
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -44,13 +45,14 @@ __all__ = [
     "decided_paths",
     "first_round_sample",
     "path_signature",
+    "probe_budget",
     "time_paths",
 ]
 
 # The probe's version: decisions kept on disk by a probe that did not compare the paths' losses
 # and a client's bits alone and among others (neighbours.py), or that saw the fx kernel apply
 # sigmoid-like activations over all clients at once (per_client_ops.py), are made again.
-_PROBE = "probe 4 (losses and neighbours compared; per-client activations)"
+_PROBE = "probe 5 (losses and neighbours compared; per-client activations; bounded)"
 
 # Decisions of this process: signature -> (path, reason).
 _DECIDED: dict[str, tuple[str, str]] = {}
@@ -88,10 +90,19 @@ def path_signature(local: LocalTrainer, batch: ClientBatch) -> str:
             f"threads {torch.get_num_threads()}",
             f"neighbours {'probed' if local.neighbour_run is not None else 'free'}",
             f"torch {torch.__version__}",
-            f"cpus {os.cpu_count()}",
+            f"cpus {os.cpu_count()} {_cpu_model()}",
             *([f"clip {local.clip.algorithm} {local.clip.val}"] if local.clip is not None else []),
         ]
     )
+
+
+def _cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; else the platform's), so another machine decides anew."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
 
 
 def _store() -> Path | None:
@@ -145,10 +156,17 @@ def first_round_sample(
     return start, ClientBatch(ch.clients, [groups[i].key for i in ch.owners], stage, 0)
 
 
-def choose_path(local: LocalTrainer, start: dict[str, Tensor], batch: ClientBatch) -> tuple[str, str]:
+def choose_path(
+    local: LocalTrainer,
+    start: dict[str, Tensor],
+    batch: ClientBatch,
+    say: Callable[[str], None] | None = None,
+    work: int | None = None,
+) -> tuple[str, str]:
     """``(path, reason)``: the decision kept for this model signature, else :func:`time_paths`.
 
-    A decision that came from the cache says so (and where) in its reason.
+    A decision that came from the cache says so (and where) in its reason. ``say`` and ``work``
+    go to :func:`time_paths`.
     """
     signature = path_signature(local, batch)
     if signature in _DECIDED:
@@ -158,7 +176,7 @@ def choose_path(local: LocalTrainer, start: dict[str, Tensor], batch: ClientBatc
     if entry is not None:
         _DECIDED[signature] = (entry["mode"], str(entry.get("reason", "vectorize: auto")))
         return entry["mode"], f"{entry.get('reason')} ({entry.get('decided')}, kept in {path})"
-    mode, reason = time_paths(local, start, batch)
+    mode, reason = time_paths(local, start, batch, say, work)
     _DECIDED[signature] = (mode, reason)
     if path is not None:
         _persist(path, key, signature, mode, reason)
@@ -296,46 +314,124 @@ def disagreement(stacked: LocalResult, loop: LocalResult) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
-def time_paths(local: LocalTrainer, start: dict[str, Tensor], batch: ClientBatch) -> tuple[str, str]:
+#: The probe's time bound: this many seconds, or :data:`BUDGET_SHARE` of the run it decides for.
+BUDGET_S = 10.0
+BUDGET_SHARE = 0.02
+
+
+def probe_budget(work: int | None, loop_s_per_step: float) -> float:
+    """Seconds the probe may take: ``max(BUDGET_S, BUDGET_SHARE x the call's predicted time)``.
+
+    The prediction is the call's client-steps at a measured speed: the loop's while only the loop
+    has run, then the faster path's (both first runs include one-time costs, so it errs long).
+    """
+    predicted = (work or 0) * loop_s_per_step
+    return max(BUDGET_S, BUDGET_SHARE * predicted)
+
+
+def _timed(
+    fn: Callable[..., LocalResult], start: dict[str, Tensor], sub: ClientBatch
+) -> tuple[LocalResult, float]:
+    n = len(sub.clients)
+    t = time.perf_counter()
+    res = fn({k: v[:n] for k, v in start.items()}, sub)
+    return res, time.perf_counter() - t
+
+
+def time_paths(
+    local: LocalTrainer,
+    start: dict[str, Tensor],
+    batch: ClientBatch,
+    say: Callable[[str], None] | None = None,
+    work: int | None = None,
+) -> tuple[str, str]:
     """Time two local steps per client both ways (results discarded); ``(cheaper path, reason)``.
 
-    The stacked kernel runs up to 8 clients (its cost per client falls with more clients, so
-    this is conservative) and the loop 2 (its cost is linear in clients); each is timed twice,
-    interleaved, and its best time per client counts, so one preempted run on a busy machine
-    does not decide; timing the loop on more clients would cost more than the choice saves. A model
-    whose stacked bits depend on the neighbouring clients takes the loop untimed.
+    Bounded and visible: ``say`` gets a line as it starts and as each part ends. The loop runs
+    first on 2 clients (its cost is linear in clients); its speed predicts the call and so the
+    budget (:func:`probe_budget`), and how many clients (2 to 8) the stacked path can run within
+    it (its cost per client falls with more clients, so fewer is conservative). Both first runs
+    must agree (losses within rounding); they are timed too, kernel building included, and the
+    faster one sets the budget anew. Further interleaved timings, whose best time per client
+    counts (one preempted run on a busy machine does not decide), run only while the budget
+    lasts. Where the stacked path is the cheaper, a client's bits must not depend on its
+    neighbours (:func:`.neighbours.neighbour_dependence`), else the loop trains it; these two
+    first runs and that check are what exactness needs, so they run whatever the budget.
 
     Args:
         local: The engine's local trainer.
         start: Starting state of the batch's clients, one row per client.
         batch: The first chunk of the first round.
+        say: Where the progress lines go (None: nowhere).
+        work: Client-steps of the call the decision is for (for the budget), if known.
     """
-    sizes = _sizes(batch)
-    try:  # warm-up (builds the kernels); the clients both ran must agree
-        off, tolerance = _compare(local, start, batch)
-    except NotVectorizable as err:
-        return "loop", f"vectorize: auto; {err}; {err.fallback}"
-    if not off <= tolerance:
-        return "loop", (
-            f"vectorize: auto; the stacked clients' losses differ from the per-client loop's by {off:.1e} "
-            "(relative) in two local steps: training_step does something vmap does not batch exactly"
-        )
-    dependent = neighbour_dependence(local, start, batch)
-    if dependent is not None:
-        return "loop", f"vectorize: auto; {dependent}: {_unexact(start)}"
-    runs = _runs(local, batch, sizes)
-    full = local.schedule
-    local.schedule = LocalSchedule(batch_size=full.batch_size, local_steps=2)
-    per_client = dict.fromkeys(runs, math.inf)
+    say = say or (lambda _line: None)
+    t0 = time.perf_counter()
+    full = _sizes(batch)
+    say(
+        f"vectorize: auto: timing the stacked path against the per-client loop (2 local steps of up to "
+        f"{full['stacked']} clients; once per model and machine)"
+    )
+    runs = _runs(local, batch, full)
+    first: dict[str, LocalResult] = {}
+    per_client: dict[str, float] = {}
+    local.schedule, schedule = (
+        LocalSchedule(batch_size=local.schedule.batch_size, local_steps=2),
+        local.schedule,
+    )
     try:
-        for _ in range(2):
+        fn, sub = runs["loop"]
+        first["loop"], spent = _timed(fn, start, sub)
+        per_client["loop"] = spent / full["loop"]
+        budget = probe_budget(work, per_client["loop"] / 2)
+        left = budget - (time.perf_counter() - t0)
+        k = full["stacked"]
+        if per_client["loop"] * k > left / 2:  # a slow model: fewer stacked clients (never below the loop's)
+            k = max(full["loop"], min(k, int(left / 2 / max(per_client["loop"], 1e-9))))
+        say(
+            f"vectorize: auto: per-client loop {1e3 * per_client['loop']:.0f} ms/client; now the stacked path "
+            f"on {k} clients (budget {budget:.0f}s)"
+        )
+        fn, _ = runs["stacked"]
+        sub = ClientBatch(batch.clients[:k], batch.groups[:k], batch.stage, batch.round)
+        try:
+            first["stacked"], spent = _timed(fn, start, sub)
+        except NotVectorizable as err:
+            return "loop", f"vectorize: auto; {err}; {err.fallback}"
+        per_client["stacked"] = spent / k
+        off = disagreement(first["stacked"], first["loop"])
+        first_dt = next(iter(start.values()))
+        if not off <= agreement_tolerance(first_dt.dtype, first_dt.device):
+            return "loop", (
+                f"vectorize: auto; the stacked clients' losses differ from the per-client loop's by {off:.1e} "
+                "(relative) in two local steps: training_step does something vmap does not batch exactly"
+            )
+        runs["stacked"] = (fn, sub)
+        budget = probe_budget(work, min(per_client.values()) / 2)  # the call at the faster path's speed
+        repeats = 0
+        while repeats < 2:  # timings without kernel building, while the budget lasts
+            one = sum(per_client[m] * len(runs[m][1].clients) for m in runs)
+            if time.perf_counter() - t0 + one > budget:
+                break
+            repeats += 1
             for mode, (fn, sub) in runs.items():
-                sub_start = {n: v[: sizes[mode]] for n, v in start.items()}
-                t = time.perf_counter()
-                fn(sub_start, sub)
-                per_client[mode] = min(per_client[mode], (time.perf_counter() - t) / sizes[mode])
+                _, spent = _timed(fn, start, sub)
+                per_client[mode] = min(per_client[mode], spent / len(sub.clients))
     finally:
-        local.schedule = full
-    ms = {k: f"{1e3 * v:.2f}" for k, v in per_client.items()}
-    reason = f"vectorize: auto; timed {ms['stacked']} ms/client stacked vs {ms['loop']} ms/client loop"
-    return min(per_client, key=per_client.get), reason
+        local.schedule = schedule
+    ms = {m: f"{1e3 * v:.2f}" for m, v in per_client.items()}
+    took = time.perf_counter() - t0
+    timed = f"{repeats + 1} timing(s) in {took:.1f}s"
+    reason = (
+        f"vectorize: auto; timed {ms['stacked']} ms/client stacked vs {ms['loop']} ms/client loop ({timed})"
+    )
+    mode = min(per_client, key=per_client.get)
+    if mode == "stacked" and local.neighbour_run is not None:
+        say(
+            "vectorize: auto: the stacked path is faster; checking that a client's bits do not depend on its neighbours"
+        )
+        dependent = neighbour_dependence(local, start, batch)
+        if dependent is not None:
+            return "loop", f"vectorize: auto; {dependent}: {_unexact(start)}"
+    say(f"vectorize: auto: done in {time.perf_counter() - t0:.1f}s (budget {budget:.0f}s)")
+    return mode, reason

@@ -12,26 +12,32 @@ both functions of the client's own key while the engine runs a step:
   element index: the same integers in the stacked call and in the per-client loop, so both paths
   give the same bits whatever a client's neighbours are.
 
-Random operators other than ``nn.Dropout`` (``F.dropout`` called directly, ``torch.randn`` in the
-step) cannot be keyed inside ``vmap``; such a model trains on the per-client loop, which seeds
-torch's generator with the client's step key before every step. A torchmetrics ``Metric`` called
-in the step keeps one state for all clients, so the stacked step refuses it the same way
-(:class:`NotVectorizable`); on the loop, ``self.log(name, metric)`` logs the metric's batch value.
+``nn.MultiheadAttention`` (and so ``nn.TransformerEncoderLayer``/``DecoderLayer``) runs as plain
+matmuls in a step, its dropout on the attention weights keyed the same way (:mod:`.attention`).
+A torchmetrics ``Metric`` called in the step gets the step's own state, one per client
+(:mod:`.metric_state`); ``self.log(name, metric)`` logs its value on the client's batch.
+
+Random operators other than these (``F.dropout`` called directly, ``torch.randn`` in the step)
+cannot be keyed inside ``vmap``; such a model trains on the per-client loop, which seeds torch's
+generator with the client's step key before every step, and the reason names the user's line
+(:mod:`.vmap_limits`).
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch._C import _functorch
 
+from fedshard_lightning.engine.attention import attention_forward, unsupported_attention
 from fedshard_lightning.engine.keys import keyed_uniform_bits
+from fedshard_lightning.engine.metric_state import StepMetrics
 from fedshard_lightning.errors import ContractError
 
 __all__ = [
@@ -129,10 +135,20 @@ class _Override:
     def __init__(self, owner: nn.Module, name: str, fn: Callable[..., Any]) -> None:
         self.owner, self.name, self.fn = owner, name, fn
 
+    @staticmethod
+    def original(owner: nn.Module, name: str) -> Callable[..., Any]:
+        """``owner.<name>`` as it was before any override (an instance's own wrapper kept)."""
+        own = owner.__dict__.get(name)
+        while isinstance(own, _Override):
+            own = own.__dict__.get("before")
+        return own if own is not None else getattr(type(owner), name).__get__(owner, type(owner))
+
     @classmethod
     def install(cls, owner: nn.Module, name: str, fn: Callable[..., Any]) -> None:
         """Set ``owner.<name>`` to ``fn`` on this instance only."""
-        object.__setattr__(owner, name, cls(owner, name, fn))
+        override = cls(owner, name, fn)
+        override.before = cls.original(owner, name)
+        object.__setattr__(owner, name, override)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
@@ -149,6 +165,7 @@ class StepContext:
         self.calls = 0
         self.logged: dict[str, Tensor] | None = None
         self.stacked = False  # the step runs under vmap (all clients in one call)
+        self.metrics = StepMetrics(self._vmapped)
         self._owner = 0
 
     @classmethod
@@ -173,8 +190,31 @@ class StepContext:
     def end(self) -> dict[str, Tensor]:
         """End the step; the values it logged."""
         logged = self.logged or {}
+        self.metrics.restore()
         self.key, self.logged, self.stacked = None, None, False
         return logged
+
+    def in_step(self) -> bool:
+        """A training step is running (the engine's, stacked or on the loop)."""
+        return self.logged is not None
+
+    def _vmapped(self) -> tuple[int, int] | None:
+        """``(vmap level, clients)`` of a stacked step (read from its batched key), None on the loop."""
+        if not self.stacked or self.key is None:
+            return None
+        level = _functorch.maybe_current_level()
+        if level is None or not _functorch.is_batchedtensor(self.key):
+            return None
+        rows, bdim = _functorch._unwrap_batched(self.key, level)
+        return (level, rows.shape[bdim]) if bdim is not None else None
+
+    def dropout(self, x: Tensor, p: float) -> Tensor:
+        """Dropout of ``x`` with the mask drawn from the step key and the call number."""
+        call, self.calls = self.calls, self.calls + 1
+        if p >= 1:
+            return x * 0
+        keep = keyed_uniform(self.key, call, x.numel(), x.dtype) >= p
+        return x * keep.reshape(x.shape).to(x.dtype) / (1 - p)
 
     def install(self, module: nn.Module) -> None:
         """Route ``module``'s ``log``/``log_dict`` and its ``nn.Dropout`` layers through this context.
@@ -184,11 +224,15 @@ class StepContext:
         _Override.install(module, "log", self._log_of(module))
         _Override.install(module, "log_dict", self._log_dict_of(module))
         metric = _metric_type()
+        owner = type(module).__name__
         for name, sub in module.named_modules():
             if type(sub) is nn.Dropout:
                 _Override.install(sub, "forward", self._dropout_of(sub))
+            elif isinstance(sub, nn.MultiheadAttention):
+                _Override.install(sub, "forward", self._attention_of(sub, f"{owner}.{name}"))
             elif metric is not None and isinstance(sub, metric):
-                _Override.install(sub, "forward", self._metric_of(sub, name, type(module).__name__))
+                for what in ("forward", "update", "compute"):  # update/compute: torchmetrics' wrappers
+                    _Override.install(sub, what, self._metric_of(sub, what, _Override.original(sub, what)))
 
     def _log_of(self, module: nn.Module) -> Callable[..., None]:
         original = type(module).log
@@ -213,30 +257,34 @@ class StepContext:
 
         return log_dict
 
-    def _metric_of(self, metric: nn.Module, name: str, owner: str) -> Callable[..., Any]:
-        """``metric``'s forward, refused inside a stacked step (its state is shared by all clients)."""
-        forward = partial(type(metric).forward, metric)  # the class's: a copied module re-installs
+    def _metric_of(self, metric: nn.Module, what: str, own: Callable[..., Any]) -> Callable[..., Any]:
+        """``metric.<what>`` on the step's own state in a step (:mod:`.metric_state`), else ``own``."""
+        step = getattr(self.metrics, what)
 
-        def guarded(*args: Any, **kwargs: Any) -> Any:
-            if self.stacked:
-                raise NotVectorizable(
-                    f"{owner}.training_step calls torchmetrics {type(metric).__name__} ({name}), whose "
-                    "state vmap cannot keep per client"
+        def routed(*args: Any, **kwargs: Any) -> Any:
+            if not self.in_step():
+                return own(*args, **kwargs)
+            return step(metric, *args, **kwargs)
+
+        return routed
+
+    def _attention_of(self, layer: nn.MultiheadAttention, where: str) -> Callable[..., Any]:
+        """``layer``'s forward: matmuls with keyed dropout in a step (:mod:`.attention`)."""
+
+        def refuse() -> None:
+            if self.stacked and layer.training and layer.dropout > 0:
+                raise RandomInStep(
+                    f"{where} is nn.MultiheadAttention({unsupported_attention(layer)}, dropout={layer.dropout}), "
+                    "whose attention dropout vmap cannot key per client"
                 )
-            return forward(*args, **kwargs)
 
-        return guarded
+        return attention_forward(layer, self.in_step, self.dropout, refuse)
 
     def _scalar(self, name: str, value: Any, module: nn.Module) -> Tensor:
         dtype = next(module.parameters()).dtype
         metric = _metric_type()
         if metric is not None and isinstance(value, metric):
-            if self.stacked:
-                raise NotVectorizable(
-                    f"{type(module).__name__}.training_step logs torchmetrics {type(value).__name__} "
-                    f"{name!r}, whose state vmap cannot keep per client"
-                )
-            # Lightning's on_step value: the batch's own (forward), else the accumulated compute()
+            # Lightning's on_step value: the batch's own (forward), else the step's compute()
             cached = getattr(value, "_forward_cache", None)
             value = cached if isinstance(cached, Tensor) else value.compute()
         if isinstance(value, Tensor):
@@ -252,10 +300,6 @@ class StepContext:
         def forward(x: Tensor) -> Tensor:
             if self.key is None or not layer.training or layer.p == 0:
                 return F.dropout(x, layer.p, layer.training, layer.inplace)
-            call, self.calls = self.calls, self.calls + 1
-            if layer.p >= 1:
-                return x * 0
-            keep = keyed_uniform(self.key, call, x.numel(), x.dtype) >= layer.p
-            return x * keep.reshape(x.shape).to(x.dtype) / (1 - layer.p)
+            return self.dropout(x, layer.p)
 
         return forward

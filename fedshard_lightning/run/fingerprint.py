@@ -32,6 +32,7 @@ __all__ = [
     "fingerprint_body",
     "optimizer_body",
     "readable_body",
+    "same_run",
     "values_digest",
 ]
 
@@ -43,7 +44,12 @@ SCHEDULE_ROUNDS = 4
 
 
 def fingerprint_body(model: Any, datamodule: Any, algorithm: Any, seed: int) -> dict[str, Any]:
-    """What the fingerprint hashes (readable: printed when two runs disagree)."""
+    """What the fingerprint hashes (readable: printed when two runs disagree).
+
+    A dataset read from files adds ``data_files``, each file's SHA-256 (a run fitted before they
+    were recorded is matched without them, :func:`same_run`).
+    """
+    files = datamodule.data_files() if callable(getattr(datamodule, "data_files", None)) else {}
     return {
         "model": _shapes_as_open(init_args(model), datamodule),
         "params": {n: list(p.shape) for n, p in model.named_parameters()},
@@ -51,7 +57,21 @@ def fingerprint_body(model: Any, datamodule: Any, algorithm: Any, seed: int) -> 
         "data": datamodule.fingerprint(),
         "algorithm": init_args(algorithm),
         "seed": int(seed),
+        **({"data_files": dict(files)} if files else {}),
     }
+
+
+def same_run(recorded: str, body: dict[str, Any], was: Any) -> bool:
+    """Whether a run's ``recorded`` fingerprint is this ``body``'s.
+
+    A run whose recorded body ``was`` has no ``data_files`` was fitted before the files' hashes
+    were recorded: it is compared without them.
+    """
+    if recorded == body_fingerprint(body):
+        return True
+    if "data_files" in body and not (isinstance(was, dict) and "data_files" in was):
+        return recorded == body_fingerprint({k: v for k, v in body.items() if k != "data_files"})
+    return False
 
 
 def _shapes_as_open(recorded: dict[str, Any], datamodule: Any) -> dict[str, Any]:

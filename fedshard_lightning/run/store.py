@@ -21,6 +21,7 @@ from fedshard_lightning.flcache.cache import FLCache
 from fedshard_lightning.flcache.io import atomic_write_json, read_json_object
 from fedshard_lightning.flcache.schema import check_schema, schema_of
 from fedshard_lightning.init_args import init_args
+from fedshard_lightning.run.fingerprint import same_run
 from fedshard_lightning.unlearning.base import Algorithm
 from fedshard_lightning.unlearning.contract import check_state_json
 
@@ -65,6 +66,18 @@ def _same_tensors(a: Any, b: Any) -> bool:
     )
 
 
+def _files_changed(was: Any, body: dict[str, Any]) -> str | None:
+    """``NAME: sha256 A in the run, B now`` for the first data file that changed, else None."""
+    then = was.get("data_files") if isinstance(was, dict) else None
+    now = body.get("data_files")
+    if not isinstance(then, dict) or not isinstance(now, dict) or then == now:
+        return None
+    for name in sorted({*then, *now}):
+        if then.get(name) != now.get(name):
+            return f"{name}: sha256 {then.get(name) or 'absent'} in the run, {now.get(name) or 'absent'} now"
+    return None
+
+
 class RunStore:
     """FLCache of one run, bound to the configured run's fingerprint.
 
@@ -101,7 +114,13 @@ class RunStore:
                 f"{algorithm_name!r}; use the config that created the run"
             )
         was = self._recorded_body()
-        if manifest.get("fingerprint") != self.fingerprint:
+        if not self._same(manifest.get("fingerprint"), was):
+            changed = _files_changed(was, self.body)
+            if changed is not None:
+                raise CacheError(
+                    f"{self.cache.root.parent} was fitted on other data files ({changed}); put back the "
+                    "files it was fitted on, or fit a new run"
+                )
             # A manifest whose fingerprint alone was edited: cache/FINGERPRINT still matches the config.
             what = (first_difference(was, self.body) if was and self.body else "") or (
                 f"fingerprint {manifest.get('fingerprint')} in the manifest, {self.fingerprint} for this config"
@@ -113,6 +132,10 @@ class RunStore:
         self._same_recorded(was, self.body)
         self.requests = list(manifest.get("requests", []))
         return manifest
+
+    def _same(self, recorded: Any, was: Any) -> bool:
+        """Whether a recorded fingerprint is this run's (one fitted before data files were hashed too)."""
+        return recorded == self.fingerprint or (bool(self.body) and same_run(recorded, self.body, was))
 
     def _recorded_body(self) -> dict[str, Any]:
         """The readable body in ``cache/FINGERPRINT`` ({} when absent or damaged: the hash still decides)."""
@@ -133,7 +156,13 @@ class RunStore:
                 fp, was = recorded["fingerprint"], recorded.get("body", {})
             except (OSError, ValueError, KeyError, TypeError):
                 raise CacheError(f"{path} is damaged; restore the run directory or start a new run") from None
-            if fp != self.fingerprint:
+            changed = _files_changed(was, body)
+            if changed is not None and not self._same(fp, was):
+                raise CacheError(
+                    f"{self.cache.root.parent} was fitted on other data files ({changed}); put back the "
+                    "files it was fitted on, or start a new run"
+                )
+            if not self._same(fp, was):
                 raise CacheError(
                     f"{self.cache.root.parent} was started with another config or dataset ({first_difference(was, body)}); "
                     "resume it with its own config.yaml (leave out the changed setting)"

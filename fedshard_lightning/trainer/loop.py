@@ -111,6 +111,7 @@ class TrainerEvents(LoopEvents):
                 optimizer_state=t.optimizer_state,
             )
             engine.on_mode = t._print
+            engine.on_probe = t._print
             return engine
 
         return AlgorithmContext(

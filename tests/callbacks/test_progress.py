@@ -183,3 +183,25 @@ def test_task_progress_rate_leaves_out_the_start_up():
     p.first = (p.first[0] - 1.0, p.first[1])  # stage 2: 40 steps in the next second
     p.update(40, "stage 2/3")
     assert p.eta() == pytest.approx(1.25, rel=0.05)  # 50 steps left at 40 steps/s
+
+
+def test_rate_and_eta_leave_out_the_path_choice(monkeypatch):
+    """The first ETA after ``vectorize: auto``'s timing is the training's own; elapsed is the wall clock's."""
+    from types import SimpleNamespace
+
+    from fedshard_lightning.callbacks import progress
+
+    now = [100.0]
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: now[0])
+    engine = SimpleNamespace(probe_seconds=0.0)
+    trainer = SimpleNamespace(
+        algorithm=SimpleNamespace(engine=engine, planned_stages=1), is_global_zero=False
+    )
+    bar = ProgressBar()
+    bar.on_fit_start(trainer)
+    bar.on_stage_start(trainer, 1, [SimpleNamespace(rounds=10, clients=(0, 1))])
+    engine.probe_seconds, now[0] = 30.0, 131.0  # 30 s choosing the path, then 1 s for round 1
+    bar.on_round_end(trainer, SimpleNamespace(round=0), {"client_steps": 100.0})
+    assert bar._rate() == pytest.approx(100.0)
+    assert bar.eta() == pytest.approx(9.0)
+    assert "elapsed 31s" in bar.live_line(200)

@@ -17,9 +17,9 @@ def timings(monkeypatch):
     calls = []
     real = path_choice.time_paths
 
-    def counted(local, start, batch):
+    def counted(local, start, batch, *args):
         calls.append(path_choice.path_signature(local, batch))
-        return real(local, start, batch)
+        return real(local, start, batch, *args)
 
     monkeypatch.setattr(path_choice, "time_paths", counted)
     return calls
@@ -101,3 +101,30 @@ def test_disagreement_against_the_formula(stacked, loop, want):
 
     got = path_choice.disagreement(res(stacked), res(loop))
     assert got == want or math.isclose(got, want, rel_tol=1e-6)
+
+
+def test_the_probe_says_what_it_does_and_when_it_is_done(tmp_path, timings, capsys):
+    path_choice.decided_paths().clear()
+    _fit(tmp_path / "a")
+    lines = capsys.readouterr().out.splitlines()
+    probe = [line for line in lines if line.startswith("vectorize: auto: ")]
+    assert probe[0].startswith("vectorize: auto: timing the stacked path against the per-client loop")
+    assert any("ms/client; now the stacked path on" in line for line in probe)
+    assert probe[-1].startswith("vectorize: auto: done in ")
+    mode = next(i for i, line in enumerate(lines) if line.startswith("local training:"))
+    assert lines.index(probe[-1]) < mode  # the progress comes before the decision
+
+
+def test_budget_is_10s_or_2_percent_of_the_predicted_call():
+    assert path_choice.probe_budget(None, 1.0) == 10.0
+    assert path_choice.probe_budget(1000, 1e-3) == 10.0  # a 1 s call: the 10 s floor
+    assert path_choice.probe_budget(100_000, 0.01) == pytest.approx(20.0)  # a 1000 s call
+
+
+def test_a_spent_budget_times_once_on_fewer_stacked_clients(tmp_path, timings, monkeypatch):
+    path_choice.decided_paths().clear()
+    monkeypatch.setattr(path_choice, "BUDGET_S", 0.0)  # every model is "slow"
+    trainer, _ = _fit(tmp_path / "a")
+    reason = trainer.algorithm.engine.mode_reason
+    assert "(1 timing(s) in " in reason
+    assert trainer.algorithm.engine.probe_seconds > 0
