@@ -47,9 +47,9 @@ def format_rate(rate: float) -> str:
     return "0" if rate <= 0 else "<0.01"
 
 
-def _probe_seconds(trainer: Any) -> float:
-    """Seconds the trainer's engine spent choosing its path (0 without one)."""
-    engine = getattr(getattr(trainer, "algorithm", None), "engine", None)
+def _probe_seconds(algorithm: Any) -> float:
+    """Seconds the algorithm's engine spent choosing its path (0 without one)."""
+    engine = getattr(algorithm, "engine", None)
     seconds = getattr(engine, "probe_seconds", 0.0)
     return float(seconds) if isinstance(seconds, (int, float)) else 0.0
 
@@ -143,9 +143,9 @@ class ProgressBar(FederatedCallback):
         width = getattr(getattr(self._progress, "console", None), "width", 80)
         self._progress.update(self._task, description=self.live_line(width, status), **fields)
 
-    def _leave_out_probe(self, trainer: Any) -> None:
+    def _leave_out_probe(self, run: RunView) -> None:
         """Move the clocks past the seconds the path choice took since the last look."""
-        probe = _probe_seconds(trainer)
+        probe = _probe_seconds(run.algorithm)
         if probe > self._probe_seen:
             self._t0 += probe - self._probe_seen
             self._stage_t0 += probe - self._probe_seen
@@ -155,7 +155,7 @@ class ProgressBar(FederatedCallback):
     def on_fit_start(self, run: RunView) -> None:
         """Start the clock; learn P from the algorithm when it plans its stages."""
         self._t0 = self._wall0 = self._stage_t0 = self._printed = time.perf_counter()
-        self._probe_seen = _probe_seconds(trainer)
+        self._probe_seen = _probe_seconds(run.algorithm)
         self._stages_done, self._steps = 0, 0.0
         planned = getattr(run.algorithm, "planned_stages", None)
         self._planned = planned if isinstance(planned, int) and planned > 0 else None
@@ -185,7 +185,7 @@ class ProgressBar(FederatedCallback):
         """Advance: the round, the throughput and the ETA, with the loss and accuracy."""
         self._round = int(info.round) + 1
         self._steps = float(metrics.get("client_steps", self._steps))
-        self._leave_out_probe(trainer)
+        self._leave_out_probe(run)
         now = time.perf_counter()
         if (
             self._round < self._rounds
@@ -209,7 +209,7 @@ class ProgressBar(FederatedCallback):
     def on_stage_end(self, run: RunView, stage: int, metrics: dict[str, float]) -> None:
         """Count the stage; off a terminal print its line (with elapsed time and ETA)."""
         self._stages_done += 1
-        self._leave_out_probe(trainer)
+        self._leave_out_probe(run)
         self._stage_t0 = time.perf_counter()
         self._round = self._rounds
         if run.is_global_zero and (self.plain or not self._live()):
