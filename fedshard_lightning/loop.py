@@ -38,7 +38,9 @@ from fedshard_lightning.request_history import check_history
 from fedshard_lightning.requests import validate_exclude
 from fedshard_lightning.run_dir import Journal, recover_reports
 from fedshard_lightning.unlearning.context import AlgorithmContext, LoopEvents
+from fedshard_lightning.stage_loop import StageLoop
 from fedshard_lightning.unlearning.contract import check_params
+from fedshard_lightning.unlearning.planner import Planner
 from fedshard_lightning.wandb_resume import open_resumed_fit_run
 from fedshard_lightning.wandb_segments import close_wandb_run
 
@@ -241,9 +243,12 @@ def run_fit(trainer: Any, run_dir: Path, resume: bool, exclude: list[int]) -> di
         )
     call_hook(trainer.fabric, "on_fit_start", trainer)
     try:
-        params = check_params(
-            alg, alg.current_params() if finished else alg.fit(), "current_params" if finished else "fit"
-        )
+        if finished:
+            params = check_params(alg, alg.current_params(), "current_params")
+        elif isinstance(alg, Planner):  # the trainer runs a planner's loop
+            params = StageLoop(alg, trainer._events).fit()
+        else:
+            params = check_params(alg, alg.fit(), "fit")
     except BaseException:
         for logger in trainer.fabric.loggers:  # rows are written in batches: keep the stopped fit's
             with contextlib.suppress(OSError):
