@@ -37,8 +37,8 @@ from fedshard_lightning.peer_watch import launch_watched
 from fedshard_lightning.request_history import check_history
 from fedshard_lightning.requests import validate_exclude
 from fedshard_lightning.run_dir import Journal, recover_reports
-from fedshard_lightning.unlearning.context import AlgorithmContext, LoopEvents
 from fedshard_lightning.stage_loop import StageLoop
+from fedshard_lightning.unlearning.context import AlgorithmContext, LoopEvents
 from fedshard_lightning.unlearning.contract import check_params
 from fedshard_lightning.unlearning.planner import Planner
 from fedshard_lightning.wandb_resume import open_resumed_fit_run

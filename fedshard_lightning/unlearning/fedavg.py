@@ -19,7 +19,7 @@ from fedshard_lightning.cache import FLCache
 from fedshard_lightning.engine import Group, TrainResult, stack_params, unstack_params
 from fedshard_lightning.limits import check_count
 from fedshard_lightning.unlearning.base import Algorithm, UnlearnResult
-from fedshard_lightning.unlearning.planner import PlanState, Planner, StagePlan
+from fedshard_lightning.unlearning.planner import Planner, PlanState, StagePlan
 
 __all__ = ["FedAvg", "FedAvgRounds"]
 

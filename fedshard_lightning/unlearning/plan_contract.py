@@ -50,12 +50,18 @@ def _int(value: Any) -> bool:
 def check_plan(alg: Planner, plan: Any, where: str) -> StagePlan:
     """``plan`` if it is a well-formed :class:`StagePlan` for this run, else a one-line error."""
     if not isinstance(plan, StagePlan):
-        raise ContractError(f"{where} must return StagePlan(stage, groups, init) objects, got {type(plan).__name__}")
+        raise ContractError(
+            f"{where} must return StagePlan(stage, groups, init) objects, got {type(plan).__name__}"
+        )
     if not _int(plan.stage) or plan.stage < 0:
-        raise ContractError(f"{where}: StagePlan.stage must be an int >= 0 (it keys the randomness), got {plan.stage!r}")
+        raise ContractError(
+            f"{where}: StagePlan.stage must be an int >= 0 (it keys the randomness), got {plan.stage!r}"
+        )
     groups = plan.groups
     if not isinstance(groups, (tuple, list)) or not groups or not all(isinstance(g, Group) for g in groups):
-        raise ContractError(f"{where}: StagePlan.groups must be a non-empty tuple of Group(key, clients, rounds)")
+        raise ContractError(
+            f"{where}: StagePlan.groups must be a non-empty tuple of Group(key, clients, rounds)"
+        )
     k = alg.num_clients
     for g in groups:
         if not _int(g.key) or not _int(g.rounds) or g.rounds < 0:
@@ -65,7 +71,9 @@ def check_plan(alg: Planner, plan: Any, where: str) -> StagePlan:
         if not isinstance(g.clients, tuple) or not all(_int(c) and 0 <= c < k for c in g.clients):
             raise ContractError(f"{where}: {g!r}: clients must be a tuple of client ids in 0..{k - 1}")
     if len({g.key for g in groups}) != len(groups):
-        raise ContractError(f"{where}: two groups of one plan share a key (the key names a group's randomness)")
+        raise ContractError(
+            f"{where}: two groups of one plan share a key (the key names a group's randomness)"
+        )
     if not callable(plan.init):
         check_rows(alg, plan.init, len(groups), where)
     if plan.stop is not None and not callable(plan.stop):
@@ -133,7 +141,11 @@ class CheckedPlanner:
     def next_stage(self, state: PlanState) -> StagePlan | None:
         """The next fit plan, checked (None: the fit is complete)."""
         plan = self._call("next_stage", state)
-        return None if plan is None else check_plan(self.alg, plan, f"trainer.algorithm: {self.name}.next_stage()")
+        return (
+            None
+            if plan is None
+            else check_plan(self.alg, plan, f"trainer.algorithm: {self.name}.next_stage()")
+        )
 
     def plan_unlearn(self, state: PlanState, clients: Sequence[int]) -> list[StagePlan]:
         """The plans that remove ``clients``, checked."""
@@ -153,7 +165,9 @@ class CheckedPlanner:
         new = self._call("absorb", state, plan, result)
         where = f"trainer.algorithm: {self.name}.absorb()"
         if not isinstance(new, PlanState):
-            raise ContractError(f"{where} must return the new state (state.replace(...)), got {type(new).__name__}")
+            raise ContractError(
+                f"{where} must return the new state (state.replace(...)), got {type(new).__name__}"
+            )
         if set(new) != set(state):
             raise ContractError(
                 f"{where} returned a state with other fields ({sorted(set(new) ^ set(state))}); "
@@ -161,14 +175,18 @@ class CheckedPlanner:
             )
         for f in BASE_FIELDS:
             if new[f] is not state[f]:
-                raise ContractError(f"{where} changed the loop's field {f}; return state.replace(...) of your own fields")
+                raise ContractError(
+                    f"{where} changed the loop's field {f}; return state.replace(...) of your own fields"
+                )
         check_field_values(self.alg, {f: new[f] for f in new if new[f] is not state[f]}, where)
         return new
 
     def current_params(self, state: PlanState) -> dict[str, Tensor]:
         """The model of ``state``, checked against ``theta0``'s names and shapes."""
         params = self._call("current_params", state)
-        return check_params(self.alg, dict(params) if isinstance(params, Mapping) else params, "current_params")
+        return check_params(
+            self.alg, dict(params) if isinstance(params, Mapping) else params, "current_params"
+        )
 
 
 _IMPL = {"current_params": "params_of"}

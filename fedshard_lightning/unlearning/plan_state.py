@@ -120,6 +120,8 @@ class PlanState(Mapping[str, Any]):
         return len(self._fields)
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "_fields":  # copy and pickle probe before _fields exists
+            raise AttributeError(name)
         try:
             return self._fields[name]
         except KeyError:
@@ -132,6 +134,9 @@ class PlanState(Mapping[str, Any]):
         raise ContractError(
             f"state.{name} = ...: the state is immutable; return state.replace({name}=...) from absorb"
         )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return PlanState, (thaw(self._fields),)
 
     def __repr__(self) -> str:
         return f"PlanState({sorted(self._fields)})"

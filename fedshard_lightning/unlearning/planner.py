@@ -54,7 +54,9 @@ class Planner(Algorithm):
         super().__init_subclass__(**kwargs)
         own = cls.__dict__.get("current_params")
         if own is not None and own is not Planner.__dict__["current_params"]:
-            cls.params_of = own  # the method's ``current_params(state)``; the public one takes an optional state
+            cls.params_of = (
+                own  # the method's ``current_params(state)``; the public one takes an optional state
+            )
             cls.current_params = Planner.__dict__["current_params"]
 
     # -- the four methods --------------------------------------------------------------------------
@@ -95,7 +97,9 @@ class Planner(Algorithm):
         while (plan := check.next_stage(dry)) is not None:
             plans.append(plan)
             init = self.init_rows(plan, [])
-            result = TrainResult(dict(init), 0, [0] * len(plan.groups), [g.rounds for g in plan.groups], 0.0, [])
+            result = TrainResult(
+                dict(init), 0, [0] * len(plan.groups), [g.rounds for g in plan.groups], 0.0, []
+            )
             dry = check.absorb(dry, plan, result)
         return plans
 
@@ -116,7 +120,9 @@ class Planner(Algorithm):
         """The current state (the last one the loop committed or loaded)."""
         state = self.__dict__.get("_state")
         if state is None:
-            raise ConfigError(f"trainer.algorithm: {type(self).__name__} has no state before fit or a loaded run")
+            raise ConfigError(
+                f"trainer.algorithm: {type(self).__name__} has no state before fit or a loaded run"
+            )
         return state
 
     def _base(self, name: str, value: Any) -> None:
@@ -162,10 +168,14 @@ class Planner(Algorithm):
         own = self.initial_state(theta0)
         where = f"trainer.algorithm: {type(self).__name__}.initial_state()"
         if not isinstance(own, dict):
-            raise ContractError(f"{where} must return a dict of the method's fields, got {type(own).__name__}")
+            raise ContractError(
+                f"{where} must return a dict of the method's fields, got {type(own).__name__}"
+            )
         clash = sorted(set(own) & set(BASE_FIELDS))
         if clash:
-            raise ContractError(f"{where} returned the loop's field(s) {clash}; return only the method's own fields")
+            raise ContractError(
+                f"{where} returned the loop's field(s) {clash}; return only the method's own fields"
+            )
         check_field_values(self, own, where)
         base = {"theta0": theta0, "unlearned": sorted({int(c) for c in exclude}), "total_client_steps": 0}
         return PlanState({**base, **own})
@@ -194,7 +204,9 @@ class Planner(Algorithm):
         where = f"trainer.algorithm: {type(self).__name__}: StagePlan.init(results)"
         return dict(check_rows(self, plan.init(results), len(plan.groups), where))
 
-    def run_plan(self, plan: StagePlan, results: Sequence[TrainResult] = (), report: bool = False) -> TrainResult:
+    def run_plan(
+        self, plan: StagePlan, results: Sequence[TrainResult] = (), report: bool = False
+    ) -> TrainResult:
         """Train ``plan`` on the engine (its rounds reported to the loop events when ``report``)."""
         hook = plan.stop() if plan.stop is not None else None
         init = self.init_rows(plan, results)
@@ -230,7 +242,9 @@ class Planner(Algorithm):
         """Latency in steps of unlearning ``clients``: plan after plan, each its slowest group."""
         return sum(self.cost(p, latency=True) for p in self.checked.plan_unlearn(self.state, clients))
 
-    def what_if(self, state: PlanState | dict[str, Any], clients: Sequence[int]) -> tuple[PlanState, UnlearnResult]:
+    def what_if(
+        self, state: PlanState | dict[str, Any], clients: Sequence[int]
+    ) -> tuple[PlanState, UnlearnResult]:
         """The state after removing ``clients``, and the result: a fold of ``absorb`` over ``plan_unlearn``.
 
         Nothing is swapped or written: ``state`` stays as it was (it is immutable), so what-if
@@ -248,7 +262,9 @@ class Planner(Algorithm):
             results.append(self.run_plan(plan, results))
             new = check.absorb(new, plan, results[-1])
         steps = sum(r.client_steps for r in results)
-        return new, UnlearnResult(check.current_params(new), steps, predicted, retrain, time.perf_counter() - t)
+        return new, UnlearnResult(
+            check.current_params(new), steps, predicted, retrain, time.perf_counter() - t
+        )
 
     def unlearn(self, clients: Sequence[int]) -> UnlearnResult:
         """:meth:`what_if` from the current state, which the result's state then replaces."""
@@ -318,9 +334,12 @@ class Planner(Algorithm):
 def check_planner(alg: Algorithm) -> None:
     """Refuse, before training, a planner that misses a method or defines one the loop derives."""
     cls = type(alg)
-    missing = [m for m in PLANNER_REQUIRES if getattr(cls, "params_of" if m == "current_params" else m) is getattr(
-        Planner, "params_of" if m == "current_params" else m
-    )]
+    missing = [
+        m
+        for m in PLANNER_REQUIRES
+        if getattr(cls, "params_of" if m == "current_params" else m)
+        is getattr(Planner, "params_of" if m == "current_params" else m)
+    ]
     if missing:
         raise ContractError(
             f"trainer.algorithm: {cls.__name__} does not define {', '.join(m + '()' for m in missing)}; a Planner "
