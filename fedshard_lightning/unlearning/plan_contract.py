@@ -43,6 +43,14 @@ PLANNER_FORBIDS = ("fit", "unlearn", "what_if", "predict_cost", "retrain_cost", 
 _MISSING = object()
 
 
+def _version(t: Tensor) -> int | None:
+    """The tensor's in-place write counter (None for an inference tensor, which has none and cannot be written)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
 def _int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
@@ -120,11 +128,11 @@ class CheckedPlanner:
         where = f"trainer.algorithm: {self.name}.{method}()"
         if not isinstance(state, PlanState):
             raise ContractError(f"{where} was handed a {type(state).__name__}, not a PlanState")
-        watched = [(n, t, t._version) for n, t in state.tensors()]
+        watched = [(n, t, _version(t)) for n, t in state.tensors()]
         attrs = dict(vars(self.alg))
         out = getattr(type(self.alg), _IMPL.get(method, method))(self.alg, state, *args)
         for name, t, version in watched:
-            if t._version != version:
+            if _version(t) != version:
                 raise ContractError(
                     f"{where} wrote the state's tensor {name} in place; the state is read-only (every what-if and "
                     "the cache share it): build new tensors (clone, torch.index_copy) and return state.replace(...)"
