@@ -54,9 +54,8 @@ class Planner(Algorithm):
         super().__init_subclass__(**kwargs)
         own = cls.__dict__.get("current_params")
         if own is not None and own is not Planner.__dict__["current_params"]:
-            cls.params_of = (
-                own  # the method's ``current_params(state)``; the public one takes an optional state
-            )
+            # the method's ``current_params(state)``; the public one takes an optional state, checked
+            cls.params_of = own
             cls.current_params = Planner.__dict__["current_params"]
 
     # -- the four methods --------------------------------------------------------------------------
@@ -96,6 +95,11 @@ class Planner(Algorithm):
         plans, check = [], self.checked
         while (plan := check.next_stage(dry)) is not None:
             plans.append(plan)
+            if len(plans) > 100_000:
+                raise ContractError(
+                    f"trainer.algorithm: {type(self).__name__}.next_stage() plans without end when nothing is "
+                    "trained (its plans depend on the models): define plan_retrain(state, clients)"
+                )
             init = self.init_rows(plan, [])
             result = TrainResult(
                 dict(init), 0, [0] * len(plan.groups), [g.rounds for g in plan.groups], 0.0, []
