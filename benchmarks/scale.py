@@ -55,8 +55,8 @@ from typing import Any
 import torch
 from _common import quiet_trainer, silence
 
-from fedshard_lightning.cache import FLCache
 from fedshard_lightning.data import SyntheticDataModule
+from fedshard_lightning.flcache import FLCache
 from fedshard_lightning.models import MLP
 from fedshard_lightning.sharding import num_stages
 from fedshard_lightning.unlearning import FedShard
@@ -71,7 +71,7 @@ def peak_rss_mb() -> float:
 
 def cache_state(root: Path) -> dict[str, Any]:
     """Bytes and count of the unique files under ``root``, and the model blobs of the current version."""
-    from fedshard_lightning.cache import FLCache
+    from fedshard_lightning.flcache import FLCache
 
     seen: set[tuple[int, int]] = set()
     total = 0

@@ -9,9 +9,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from fedshard_lightning.checkpoint import load_model
     from fedshard_lightning.module import FederatedModule
-    from fedshard_lightning.trainer import FederatedTrainer
+    from fedshard_lightning.run.checkpoint import load_model
+    from fedshard_lightning.trainer.trainer import FederatedTrainer
 
 __all__ = ["FederatedModule", "FederatedTrainer", "load_model"]
 __version__ = "0.1.0"
@@ -23,11 +23,11 @@ def __getattr__(name: str) -> Any:
 
         return FederatedModule
     if name == "FederatedTrainer":
-        from fedshard_lightning.trainer import FederatedTrainer
+        from fedshard_lightning.trainer.trainer import FederatedTrainer
 
         return FederatedTrainer
     if name == "load_model":
-        from fedshard_lightning.checkpoint import load_model
+        from fedshard_lightning.run.checkpoint import load_model
 
         return load_model
     raise AttributeError(f"module 'fedshard_lightning' has no attribute {name!r}")

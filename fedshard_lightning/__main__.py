@@ -5,7 +5,7 @@ import sys
 
 if __name__ == "__main__":
     if sys.argv[1:2] in (["runs"], ["cache"]):  # no config: answered without importing Lightning
-        from fedshard_lightning.no_config import run_no_config
+        from fedshard_lightning.cli.no_config import run_no_config
 
         run_no_config(sys.argv[1:])
         raise SystemExit(0)

@@ -139,8 +139,8 @@ def test_readme_snippets_load_the_run(digits_run):
 
 
 def test_recorded_shapes_keep_the_fingerprint_of_open_ones():
-    from fedshard_lightning.fingerprint import fingerprint
     from fedshard_lightning.module import bind_model
+    from fedshard_lightning.run.fingerprint import fingerprint
     from fedshard_lightning.unlearning import FedShard
 
     data = tiny_data()

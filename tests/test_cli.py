@@ -377,7 +377,7 @@ def test_interrupted_fit_prints_the_command_that_resumes_it(run_root, capsys):
 def test_num_threads_is_applied_and_oversubscription_warned():
     import torch
 
-    from fedshard_lightning.numerics import oversubscription_warning
+    from fedshard_lightning.run.numerics import oversubscription_warning
     from fedshard_lightning.trainer import FederatedTrainer
 
     before = torch.get_num_threads()

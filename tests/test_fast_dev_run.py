@@ -12,10 +12,10 @@ from _cli import cli
 from _models import ExplodingMLP
 from _tiny import tiny_data
 
-from fedshard_lightning.dev_run import DEV_CLIENTS
 from fedshard_lightning.errors import NonFiniteLossError
 from fedshard_lightning.models import MLP
 from fedshard_lightning.trainer import FederatedTrainer
+from fedshard_lightning.trainer.dev_run import DEV_CLIENTS
 from fedshard_lightning.unlearning import FedShard
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -91,7 +91,12 @@ def test_the_readable_body_hashes_to_the_fingerprint_runs_were_made_with(tmp_pat
     """The body is computed once per run and hashed without its readable extras: old runs still load."""
     import hashlib
 
-    from fedshard_lightning.fingerprint import body_fingerprint, fingerprint, fingerprint_body, readable_body
+    from fedshard_lightning.run.fingerprint import (
+        body_fingerprint,
+        fingerprint,
+        fingerprint_body,
+        readable_body,
+    )
 
     tr = tiny_trainer(tmp_path, vectorize="always")
     tr.fit(*_fresh())

@@ -236,7 +236,7 @@ def test_a_request_killed_after_its_commit_is_logged_by_the_next_unlearn(run_roo
     Reference: the request reports in ``unlearning/NNNN/report.json`` and the rows read back with
     the csv module: one row per request, in request order, at consecutive steps after the fit.
     """
-    import fedshard_lightning.requests as requests
+    import fedshard_lightning.trainer.requests as requests
 
     trainer, model, data = _objects(run_root)
     trainer.fit(model, data)

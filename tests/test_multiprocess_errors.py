@@ -18,7 +18,7 @@ import pytest
 import torch.distributed as dist
 
 from fedshard_lightning.errors import ConfigError, Terminated
-from fedshard_lightning.no_config import PEER_STOPPED, one_line_errors
+from fedshard_lightning.launch.exits import PEER_STOPPED, one_line_errors
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
@@ -115,8 +115,8 @@ def test_ddp_bad_input_is_one_line_and_leaves_no_run_dir(tmp_path: Path):
 
 _KILLED_WORKER = """
 import os, signal, time
-from fedshard_lightning.loop import launch_fabric
-from fedshard_lightning.no_config import one_line_errors
+from fedshard_lightning.trainer.loop import launch_fabric
+from fedshard_lightning.launch.exits import one_line_errors
 
 with one_line_errors():
     fabric = launch_fabric("cpu", 2, "ddp", "32-true", num_threads=1, warn=False)
@@ -170,7 +170,7 @@ def test_gathering_prints_no_deprecation_warning(tmp_path, recwarn):
     import lightning as L
     import torch
 
-    from fedshard_lightning.loop import all_gather
+    from fedshard_lightning.trainer.loop import all_gather
 
     fabric = L.Fabric(accelerator="cpu", devices=1, strategy="ddp")
     fabric._launched = True  # the process group below stands in for the launch

@@ -17,10 +17,10 @@ import time
 
 import pytest
 
-from fedshard_lightning import no_config, peer_watch
 from fedshard_lightning.errors import PeerStopped
-from fedshard_lightning.no_config import PEER_STOPPED, one_line_errors
-from fedshard_lightning.peer_watch import PeerWatcher, describe_exit, launch_watched, stopped_peer
+from fedshard_lightning.launch import exits, peer_watch
+from fedshard_lightning.launch.exits import PEER_STOPPED, one_line_errors
+from fedshard_lightning.launch.peer_watch import PeerWatcher, describe_exit, launch_watched, stopped_peer
 
 
 @pytest.fixture(autouse=True)
@@ -97,7 +97,7 @@ def test_a_launcher_stuck_in_one_call_is_killed_after_its_line(monkeypatch, caps
 
 
 def test_the_line_names_the_rank_and_exit_status_8(monkeypatch, capsys):
-    monkeypatch.setattr(no_config, "stopped_peer", lambda wait_s=0.0: "rank 1, pid 42, killed by SIGKILL")
+    monkeypatch.setattr(exits, "stopped_peer", lambda wait_s=0.0: "rank 1, pid 42, killed by SIGKILL")
     with pytest.raises(SystemExit) as e, one_line_errors():
         raise PeerStopped()
     assert e.value.code == PEER_STOPPED == 8

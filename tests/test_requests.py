@@ -7,7 +7,7 @@ import time
 import pytest
 
 from fedshard_lightning.errors import UnlearningRequestError
-from fedshard_lightning.requests import validate_clients
+from fedshard_lightning.trainer.requests import validate_clients
 
 
 def test_a_request_of_many_clients_is_checked_in_linear_time():

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from fedshard_lightning.cli import main
-from fedshard_lightning.runs import format_runs, list_runs
+from fedshard_lightning.cli.runs import format_runs, list_runs
 
 TINY = [
     *("--data.num_clients", "8", "--trainer.algorithm.rounds", "a2"),

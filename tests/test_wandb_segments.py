@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from fedshard_lightning.wandb_segments import supersede_fit_segments
+from fedshard_lightning.loggers.wandb_segments import supersede_fit_segments
 
 
 def _run(tmp_path, names, synced=()):

@@ -2,7 +2,7 @@
 
 Lightning's own ``Callback`` needs a ``Trainer`` and a ``LightningModule`` in every hook, which do
 not exist in a Fabric loop, so fedshard_lightning has its own small base class. Every hook takes
-the :class:`~fedshard_lightning.trainer.FederatedTrainer` first and keyword arguments after it;
+the :class:`~fedshard_lightning.trainer.trainer.FederatedTrainer` first and keyword arguments after it;
 override only the hooks you need.
 
 Hooks, in the order they fire during ``fit``:

@@ -38,7 +38,7 @@ from torch import Tensor
 from fedshard_lightning.callbacks.base import FederatedCallback
 from fedshard_lightning.callbacks.task_progress import TaskProgress
 from fedshard_lightning.errors import ConfigError
-from fedshard_lightning.loggers import log_wandb_report
+from fedshard_lightning.loggers.run_loggers import log_wandb_report
 from fedshard_lightning.metrics.client_alpha import client_alphas, per_client_accuracy
 from fedshard_lightning.metrics.fairness import efficiency_fairness, performance_fairness
 from fedshard_lightning.metrics.fairness_report import cost_stats

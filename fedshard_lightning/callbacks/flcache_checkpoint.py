@@ -1,7 +1,7 @@
 """FLCache checkpointing, configured like Lightning's ``ModelCheckpoint``: verification and retention of commits.
 
 The loop commits the run's state to FLCache itself, atomically, once per stage of ``fit`` and once
-per ``unlearn`` request (:mod:`fedshard_lightning.store`); a commit is never a callback's to make
+per ``unlearn`` request (:mod:`fedshard_lightning.run.store`); a commit is never a callback's to make
 or to skip. :class:`FLCacheCheckpoint` acts on each commit right after it: it re-reads every blob of
 the new version against its SHA-256 (``verify``), and keeps the models of only the newest versions
 (``keep_last``, as ``cache gc --keep N`` does; every manifest stays, as the history of requests).

@@ -63,7 +63,7 @@ from fedshard_lightning.callbacks.base import FederatedCallback
 from fedshard_lightning.callbacks.plots import plot_cost_distribution, plot_round_accuracy
 from fedshard_lightning.callbacks.task_progress import TaskProgress
 from fedshard_lightning.errors import ConfigError
-from fedshard_lightning.loggers import log_wandb_report
+from fedshard_lightning.loggers.run_loggers import log_wandb_report
 from fedshard_lightning.metrics.client_alpha import checked_alphas, client_alphas, per_client_accuracy
 from fedshard_lightning.metrics.fairness import efficiency_fairness
 from fedshard_lightning.metrics.fairness_report import cost_stats, fairness_report, json_safe

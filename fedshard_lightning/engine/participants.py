@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from fedshard_lightning.engine.keys import sample_participants
 
 if TYPE_CHECKING:
-    from fedshard_lightning.engine.engine import Group
+    from fedshard_lightning.engine.groups import Group
 
 __all__ = ["KeyedSampling", "ParticipantPolicy"]
 

@@ -197,7 +197,7 @@ def fit_method(setting: ExperimentSetting, algorithm: Algorithm) -> MethodRun:
     The first method fitted also fixes the shared client alphas (SPEC section 4: methods compared
     side by side share one reference model).
     """
-    from fedshard_lightning.trainer import FederatedTrainer
+    from fedshard_lightning.trainer.trainer import FederatedTrainer
 
     trainer = FederatedTrainer(
         algorithm=algorithm,
@@ -256,8 +256,8 @@ def run_cli(function: Any, args: list[str] | None, prog: str | None = None) -> A
 
     from jsonargparse import CLI
 
-    from fedshard_lightning.cli import PlainHelpParser
     from fedshard_lightning.errors import FedShardError
+    from fedshard_lightning.launch.parse_errors import PlainHelpParser
 
     try:
         module = function.__module__  # "__main__" under python -m: its spec has the real name

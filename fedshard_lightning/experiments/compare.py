@@ -45,7 +45,7 @@ from fedshard_lightning.experiments.common import run_cli, seeded_model, with_se
 from fedshard_lightning.experiments.plots import plot_cost_distributions
 from fedshard_lightning.experiments.tables import COLUMNS, aggregate, write_tables
 from fedshard_lightning.metrics import efficiency_fairness
-from fedshard_lightning.trainer import FederatedTrainer
+from fedshard_lightning.trainer.trainer import FederatedTrainer
 from fedshard_lightning.unlearning.base import Algorithm
 
 __all__ = ["COLUMNS", "compare"]
@@ -326,7 +326,7 @@ def _log_wandb(
     """
     import wandb
 
-    from fedshard_lightning.loggers import wandb_state
+    from fedshard_lightning.loggers.run_loggers import wandb_state
 
     states = [wandb_state(Path(r["run_dir"])) for r in rows]
     group = next((st["group"] for st in states if st.get("group")), None)

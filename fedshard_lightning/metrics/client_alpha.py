@@ -61,7 +61,7 @@ def client_probe_updates(
     """Flattened float64 updates ``[len(clients), D]`` of one probe round from ``reference_params``.
 
     Args:
-        source: A :class:`~fedshard_lightning.trainer.FederatedTrainer` or an attached algorithm.
+        source: A :class:`~fedshard_lightning.trainer.trainer.FederatedTrainer` or an attached algorithm.
         reference_params: Model every client starts from; default the algorithm's current model.
         clients: Clients to probe, default all ``K`` clients of the partition.
 
@@ -113,7 +113,7 @@ def client_alphas(
     """Signed contribution angle ``alpha_c`` of every client (SPEC section 4, client alpha).
 
     Args:
-        source: A :class:`~fedshard_lightning.trainer.FederatedTrainer` or an attached algorithm
+        source: A :class:`~fedshard_lightning.trainer.trainer.FederatedTrainer` or an attached algorithm
             (anything with ``algorithm.engine`` or ``engine``).
         reference_params: The shared reference model; default the algorithm's current (trained)
             global model. Methods compared side by side should pass the same one.

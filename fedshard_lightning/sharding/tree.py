@@ -30,7 +30,6 @@ import numpy as np
 
 from fedshard_lightning.errors import ConfigError, UnlearningRequestError
 from fedshard_lightning.sharding.stage_arrays import StageArrays, grouping_error, leaf_stage, next_stage
-from fedshard_lightning.sharding.tree_text import draw_tree
 
 __all__ = ["Shard", "ShardTree", "num_stages"]
 
@@ -376,7 +375,28 @@ class ShardTree:
         Args:
             max_clients_shown: Most ids or ranges of ids printed per shard before ``...``.
         """
-        return draw_tree(self, max_clients_shown)
+        header = (
+            f"ShardTree: {self.num_clients} clients, merge_rate {self.merge_rate}, "
+            f"{self.num_stages}/{self.planned_stages} stages"
+        )
+        lines = [header]
+
+        def visit(stage: int, index: int, depth: int) -> None:
+            shard = self.shard(stage, index)
+            ids = _format_ids(shard.clients, max_clients_shown)
+            n = len(shard.clients)
+            noun = "client" if n == 1 else "clients"
+            lines.append(f"{'  ' * depth}stage {stage} shard {index} (clients {ids}, {n} {noun})")
+            if stage > 1:
+                for child in shard.children:
+                    visit(stage - 1, child, depth + 1)
+
+        if self.num_stages == 0:
+            lines.append(f"stage 0: {self.num_clients} leaf shards, one per client")
+        else:
+            for index in range(self.stage_arrays(self.num_stages).size):
+                visit(self.num_stages, index, 0)
+        return "\n".join(lines)
 
     # ------------------------------------------------------------------ dunder
 
@@ -397,3 +417,22 @@ class ShardTree:
             f"ShardTree(num_clients={self._num_clients}, merge_rate={self._merge_rate}, "
             f"stages={self.num_stages}/{self._planned})"
         )
+
+
+def _format_ids(ids: Sequence[int], max_shown: int) -> str:
+    """Compress sorted ids into ``0-3, 7, 9-12`` and cut the list after ``max_shown`` items."""
+    runs: list[str] = []
+    start = prev = None
+    for c in ids:
+        if start is None:
+            start = prev = c
+        elif c == prev + 1:
+            prev = c
+        else:
+            runs.append(f"{start}-{prev}" if prev != start else f"{start}")
+            start = prev = c
+    if start is not None:
+        runs.append(f"{start}-{prev}" if prev != start else f"{start}")
+    if len(runs) > max(max_shown, 1):
+        runs = [*runs[: max(max_shown, 1)], "..."]
+    return ", ".join(runs)

@@ -8,7 +8,7 @@ groups of clients to :meth:`fedshard_lightning.engine.FederatedEngine.train_grou
 :class:`~fedshard_lightning.unlearning.context.LoopEvents`. Cache commits, the fingerprint check,
 the request journal and the lock belong to the trainer.
 
-The protocol, driven by :class:`~fedshard_lightning.trainer.FederatedTrainer`:
+The protocol, driven by :class:`~fedshard_lightning.trainer.trainer.FederatedTrainer`:
 
 * ``setup(ctx)`` once the model and data are on the device (builds the engines);
 * ``reset(theta0)`` before a fresh fit, or ``restore_cache(...)`` before a resumed one: the
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -35,29 +35,16 @@ from torch import Tensor
 
 from fedshard_lightning.engine import FederatedEngine, Group, LocalSchedule, RoundInfo, TrainResult
 from fedshard_lightning.engine.local_layers import LocalBN, local_layer_names
-from fedshard_lightning.errors import CacheError, ConfigError
+from fedshard_lightning.errors import CacheError, ConfigError, ContractError
 from fedshard_lightning.init_args import RecordsInitArgs
 from fedshard_lightning.unlearning.context import AlgorithmContext, LoopEvents
-from fedshard_lightning.unlearning.contract import check_result, is_tensor_dict
+from fedshard_lightning.unlearning.contract import REQUIRED, UnlearnResult, check_result, is_tensor_dict
 from fedshard_lightning.unlearning.rank_rounds import RoundRecorder
 
-__all__ = ["Algorithm", "UnlearnResult"]
+__all__ = ["Algorithm", "UnlearnResult", "check_implemented"]
 
 BASE_STATE = ("theta0", "unlearned", "total_client_steps")
 """State every algorithm has; the trainer persists and restores it, subclasses cannot forget it."""
-
-
-@dataclass
-class UnlearnResult:
-    """The unlearned model and what it cost."""
-
-    params: dict[str, Tensor]
-    client_steps: int
-    predicted_client_steps: int
-    retrain_client_steps: int
-    seconds: float
-    server_seconds: float = 0.0
-    details: dict[str, Any] = field(default_factory=dict)
 
 
 class Algorithm(RecordsInitArgs):
@@ -404,3 +391,13 @@ class Algorithm(RecordsInitArgs):
     def unlearn(self, clients: Sequence[int]) -> UnlearnResult:
         """Remove ``clients``' contribution; update the state so that later requests accumulate."""
         raise NotImplementedError
+
+
+def check_implemented(alg: Algorithm) -> None:
+    """Refuse, before training, an algorithm that leaves a required method to the base class."""
+    missing = [m for m in REQUIRED if getattr(type(alg), m) is getattr(Algorithm, m)]
+    if missing:
+        raise ContractError(
+            f"trainer.algorithm: {type(alg).__name__} does not define {', '.join(m + '()' for m in missing)}; "
+            f"an Algorithm subclass defines all of {', '.join(m + '()' for m in REQUIRED)} (docs/extending.md)"
+        )

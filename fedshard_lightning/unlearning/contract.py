@@ -11,20 +11,24 @@ from __future__ import annotations
 
 import json
 import numbers
-from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
 
 from torch import Tensor
 
 from fedshard_lightning.errors import ContractError
 
-if TYPE_CHECKING:
-    from fedshard_lightning.unlearning.base import Algorithm, UnlearnResult
+
+class _Algorithm(Protocol):
+    """What the checks read of an algorithm: its class name (in the message) and its initial model."""
+
+    theta0: dict[str, Tensor] | None
+
 
 __all__ = [
     "REQUIRED",
+    "UnlearnResult",
     "check_cost",
-    "check_implemented",
     "check_params",
     "check_result",
     "check_state_json",
@@ -33,6 +37,19 @@ __all__ = [
 
 REQUIRED = ("fit", "current_params", "predict_cost", "retrain_cost", "unlearn")
 """The methods every algorithm defines (the base class's raise ``NotImplementedError``)."""
+
+
+@dataclass
+class UnlearnResult:
+    """The unlearned model and what it cost."""
+
+    params: dict[str, Tensor]
+    client_steps: int
+    predicted_client_steps: int
+    retrain_client_steps: int
+    seconds: float
+    server_seconds: float = 0.0
+    details: dict[str, Any] = field(default_factory=dict)
 
 
 def is_tensor_dict(value: Any) -> bool:
@@ -44,19 +61,7 @@ def _kind(value: Any) -> str:
     return type(value).__name__
 
 
-def check_implemented(alg: Algorithm) -> None:
-    """Refuse, before training, an algorithm that leaves a required method to the base class."""
-    from fedshard_lightning.unlearning.base import Algorithm
-
-    missing = [m for m in REQUIRED if getattr(type(alg), m) is getattr(Algorithm, m)]
-    if missing:
-        raise ContractError(
-            f"trainer.algorithm: {type(alg).__name__} does not define {', '.join(m + '()' for m in missing)}; "
-            f"an Algorithm subclass defines all of {', '.join(m + '()' for m in REQUIRED)} (docs/extending.md)"
-        )
-
-
-def check_params(alg: Algorithm, params: Any, method: str) -> dict[str, Tensor]:
+def check_params(alg: _Algorithm, params: Any, method: str) -> dict[str, Tensor]:
     """``params`` if it is a model like ``theta0`` (same names and shapes), else a one-line error."""
     where = f"trainer.algorithm: {type(alg).__name__}.{method}()"
     if not isinstance(params, dict) or not params or not all(isinstance(v, Tensor) for v in params.values()):
@@ -78,7 +83,7 @@ def check_params(alg: Algorithm, params: Any, method: str) -> dict[str, Tensor]:
     return params
 
 
-def check_cost(alg: Algorithm, value: Any, what: str) -> int:
+def check_cost(alg: _Algorithm, value: Any, what: str) -> int:
     """``value`` as an int if it is a whole number of client-steps >= 0, else a one-line error."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
         raise ContractError(
@@ -88,10 +93,8 @@ def check_cost(alg: Algorithm, value: Any, what: str) -> int:
     return int(value)
 
 
-def check_result(alg: Algorithm, result: Any, seconds: float) -> UnlearnResult:
+def check_result(alg: _Algorithm, result: Any, seconds: float) -> UnlearnResult:
     """The checked result of ``unlearn``; ``seconds`` (its wall time) fills a result that did not time itself."""
-    from fedshard_lightning.unlearning.base import UnlearnResult
-
     if not isinstance(result, UnlearnResult):
         raise ContractError(
             f"trainer.algorithm: {type(alg).__name__}.unlearn() must return an UnlearnResult(params, client_steps, "
@@ -103,7 +106,7 @@ def check_result(alg: Algorithm, result: Any, seconds: float) -> UnlearnResult:
     return result if result.seconds else replace(result, seconds=seconds)
 
 
-def check_state_json(alg: Algorithm, state: dict[str, Any]) -> None:
+def check_state_json(alg: _Algorithm, state: dict[str, Any]) -> None:
     """Refuse a state field that the cache cannot store as JSON (and that is no dict of tensors)."""
     for name, value in state.items():
         try:

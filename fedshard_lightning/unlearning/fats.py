@@ -35,10 +35,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fedshard_lightning.cache import FLCache
 from fedshard_lightning.engine import Group, RoundInfo, TrainResult, stack_params, unstack_params
 from fedshard_lightning.engine.keys import SAMPLING, keyed_rng
 from fedshard_lightning.errors import CacheError, ConfigError
+from fedshard_lightning.flcache.cache import FLCache
 from fedshard_lightning.unlearning.base import UnlearnResult
 from fedshard_lightning.unlearning.context import AlgorithmContext
 from fedshard_lightning.unlearning.fedavg import FedAvgRounds

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fedshard_lightning.cache import FLCache
 from fedshard_lightning.engine import Group, TrainResult, stack_params, unstack_params
+from fedshard_lightning.flcache.cache import FLCache
 from fedshard_lightning.limits import check_count
 from fedshard_lightning.unlearning.base import Algorithm, UnlearnResult
 from fedshard_lightning.unlearning.planner import Planner, PlanState, StagePlan

@@ -14,7 +14,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fedshard_lightning.cache import FLCache
 from fedshard_lightning.engine import (
     FederatedEngine,
     Group,
@@ -24,6 +23,7 @@ from fedshard_lightning.engine import (
     unstack_params,
 )
 from fedshard_lightning.errors import CacheError
+from fedshard_lightning.flcache.cache import FLCache
 from fedshard_lightning.unlearning.fedavg import FedAvgRounds
 
 __all__ = ["HistoryFedAvg", "UpdateHistory"]

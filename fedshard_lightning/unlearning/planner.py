@@ -9,10 +9,10 @@ A :class:`Planner` answers four questions and keeps nothing else:
 * ``current_params(state)``: the global model of a state.
 
 Everything else is derived, the same way for every planner: the trainer's loop
-(``fedshard_lightning.stage_loop``) runs the fit plans on the engine, fires the callbacks and
-commits FLCache after each stage; the cost of a plan is counted from its groups and rounds by the
-engine's participant policy (:meth:`Planner.cost`), so ``predict_cost``, ``retrain_cost`` and
-``predict_latency`` need no code of the method's; :meth:`Planner.what_if` is a fold of
+(``fedshard_lightning.trainer.stage_loop``) runs the fit plans on the engine, fires the
+callbacks and commits FLCache after each stage; the cost of a plan is counted from its groups
+and rounds by the engine's participant policy (:meth:`Planner.cost`), so ``predict_cost``,
+``retrain_cost`` and ``predict_latency`` need no code of the method's; :meth:`Planner.what_if` is a fold of
 ``absorb`` over the ``plan_unlearn`` plans that records the unlearned clients itself; ``audit``
 folds ``next_stage`` from ``theta0`` without the unlearned clients and compares the models.
 The state is a :class:`~.plan_state.PlanState`; every call is checked
@@ -305,8 +305,8 @@ class Planner(Algorithm):
         return {"passed": passed, "max_abs_diff": diff, "final_max_abs_diff": diff, "lines": [line]}
 
     def fit(self) -> dict[str, Tensor]:
-        """Not a planner's: the trainer's loop (``fedshard_lightning.stage_loop``) runs the plans."""
-        raise ContractError(f"{type(self).__name__} is a Planner: the trainer runs its loop (stage_loop.fit)")
+        """Not a planner's: the trainer's loop (``fedshard_lightning.trainer.stage_loop``) runs the plans."""
+        raise ContractError(f"{type(self).__name__} is a Planner: the trainer runs its loop (StageLoop.fit)")
 
     # -- cache ---------------------------------------------------------------------------------------
     def cache_files(self, cache: Any) -> tuple[dict[str, Any], dict[str, dict[str, Tensor]], dict[str, str]]:

@@ -30,8 +30,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fedshard_lightning.cache import FLCache, StackWrite
 from fedshard_lightning.errors import CacheError
+from fedshard_lightning.flcache.cache import FLCache, StackWrite
 from fedshard_lightning.sharding import ShardTree
 
 __all__ = ["ShardCache", "ShardRecord"]

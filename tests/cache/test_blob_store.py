@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedshard_lightning.cache import FLCache, StackWrite
 from fedshard_lightning.errors import CacheError
+from fedshard_lightning.flcache import FLCache, StackWrite
 
 
 def _models(n: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -128,7 +128,7 @@ def test_manifest_and_index_load_at_k_65536_stays_well_under_a_second(tmp_path: 
         raw = torch.randint(0, 256, (n, 32), dtype=torch.uint8, generator=gen)
         from safetensors.torch import save
 
-        snap = cache._put(save({"digests": raw}), new, dirs)
+        snap = cache.writer.put(save({"digests": raw}), new, dirs)
         delta = {str(i): f"{i:064x}" for i in range(0, n, max(1, n // 16))}
         stacks[f"stage_{p}"] = {"rows": n, "snapshot": snap, "delta": delta}
     vdir = cache.root / "0001-fake"
@@ -144,7 +144,7 @@ def test_manifest_and_index_load_at_k_65536_stays_well_under_a_second(tmp_path: 
             }
         )
     )
-    from fedshard_lightning.cache import sha256_file
+    from fedshard_lightning.flcache import sha256_file
 
     (cache.root / "CURRENT").write_text(
         json.dumps({"version": "0001-fake", "manifest_sha256": sha256_file(vdir / "manifest.json")})

@@ -9,7 +9,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "unlearning"))
 
 from _fedshard_helpers import audit, fit, loaded, make, unlearn
 
-from fedshard_lightning.cache import FLCache
+from fedshard_lightning.flcache import FLCache
 
 
 def _model_blobs(cache: FLCache, version: str) -> set[str]:

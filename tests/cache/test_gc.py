@@ -10,8 +10,9 @@ import pytest
 import torch
 from _cli import cli
 
-from fedshard_lightning.cache import FLCache, StackWrite, _flock
 from fedshard_lightning.errors import CacheError
+from fedshard_lightning.flcache import FLCache, StackWrite
+from fedshard_lightning.flcache.io import _flock
 
 
 def _history(root: Path, versions: int = 5, n: int = 16) -> tuple[FLCache, list[dict[str, torch.Tensor]]]:
@@ -119,7 +120,7 @@ def test_a_crash_in_the_middle_of_gc_leaves_a_consistent_cache(
 def test_a_crash_before_pruned_is_written_removes_nothing(tmp_path: Path, monkeypatch) -> None:
     cache, _ = _history(tmp_path)
     before = _blobs(cache)
-    import fedshard_lightning.cache_gc as mod  # gc lives there
+    import fedshard_lightning.flcache.gc as mod  # gc lives there
 
     def dying_write(*a, **kw):
         raise _Crash

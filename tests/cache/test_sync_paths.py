@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from fedshard_lightning import cache_io
+from fedshard_lightning.flcache import io as cache_io
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/fd")
 

@@ -343,7 +343,7 @@ def test_compare_draws_a_plain_modules_weights_from_the_seed(tmp_path, monkeypat
     import torch
     from _models import Plain
 
-    from fedshard_lightning.cache import FLCache
+    from fedshard_lightning.flcache import FLCache
 
     _, data = _setting()
     theta0 = []

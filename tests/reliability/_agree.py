@@ -13,7 +13,7 @@ import torch
 from _reliability_helpers import cli, error_lines
 from safetensors.torch import load_file
 
-from fedshard_lightning.cache import FLCache
+from fedshard_lightning.flcache import FLCache
 
 
 def cache_model(run: Path) -> dict[str, torch.Tensor]:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from _cli import cli as cli  # re-exported: the reliability tests and scripts/ import it from here
 
-from fedshard_lightning.cache import FLCache, load_tensors
+from fedshard_lightning.flcache import FLCache, load_tensors
 
 ROOT = Path(__file__).resolve().parents[2]
 

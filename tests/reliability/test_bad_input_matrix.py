@@ -28,8 +28,8 @@ from _reliability_helpers import TINY, cli, copy_run, error_lines, tree_hash
 from safetensors.torch import load, load_file, save, save_file
 from test_bad_inputs import CASES as OLD_CASES
 
-from fedshard_lightning.cache import FLCache, sha256_file
-from fedshard_lightning.tensor_schema import schema_of
+from fedshard_lightning.flcache import FLCache, sha256_file
+from fedshard_lightning.flcache.schema import schema_of
 
 # -- damage: each takes the case's run copy (and the case folder) -------------------------------
 

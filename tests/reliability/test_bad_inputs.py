@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from _reliability_helpers import TINY, changed_files, cli, copy_run, error_lines, snapshot, tree_hash
 
-from fedshard_lightning.cache import FLCache
+from fedshard_lightning.flcache import FLCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "data"))
 from native_formats import digit_arrays, write_idx, write_mnist_files

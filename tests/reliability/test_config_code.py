@@ -15,7 +15,7 @@ import pytest
 import yaml
 from _reliability_helpers import cli, copy_run, error_lines, tree_hash
 
-from fedshard_lightning.config_code import class_paths
+from fedshard_lightning.cli.config_code import class_paths
 
 _EVIL = """
 from pathlib import Path

@@ -23,8 +23,8 @@ from _reliability_helpers import (
     tmp_leftovers,
 )
 
-from fedshard_lightning.cache import FLCache
 from fedshard_lightning.engine import FederatedEngine
+from fedshard_lightning.flcache import FLCache
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from _reliability_helpers import TINY, changed_files, cli, copy_run, error_lines, snapshot
 
-from fedshard_lightning.run_dir import Journal
+from fedshard_lightning.run.directory import Journal
 
 
 def _one_error(code: int, err: str, *needles: str) -> None:

@@ -11,11 +11,11 @@ import pytest
 import torch
 from _tiny import tiny_data, tiny_model
 
-from fedshard_lightning.cli_inputs import join_negative_values
+from fedshard_lightning.cli.inputs import join_negative_values
+from fedshard_lightning.cli.yaml_bounds import MAX_DEPTH, check_yaml
 from fedshard_lightning.engine import FederatedEngine, Group, LocalSchedule, stack_params
 from fedshard_lightning.errors import ConfigError
 from fedshard_lightning.models import MLP
-from fedshard_lightning.yaml_bounds import MAX_DEPTH, check_yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = sorted(p for folder in ("configs", "callbacks") for p in (ROOT / folder).rglob("*.yaml"))

@@ -8,9 +8,9 @@ import yaml
 from _reliability_helpers import cli, copy_run, error_lines
 from safetensors import safe_open
 
-from fedshard_lightning.cache import FLCache
-from fedshard_lightning.deployed import HASH_KEY
-from fedshard_lightning.tensor_schema import tensors_sha256
+from fedshard_lightning.flcache import FLCache
+from fedshard_lightning.flcache.schema import tensors_sha256
+from fedshard_lightning.run.deployed import HASH_KEY
 
 
 def _unlearned(reference_run, tmp_path):

@@ -14,8 +14,8 @@ import pytest
 from _reliability_helpers import TINY, cli, copy_run, error_lines, tree_hash
 from safetensors.torch import load, save
 
-from fedshard_lightning.cache import FLCache, sha256_file
-from fedshard_lightning.manifest_key import KEY_VARIABLE
+from fedshard_lightning.flcache import FLCache, sha256_file
+from fedshard_lightning.flcache.manifest_key import KEY_VARIABLE
 
 KEY = "correct horse battery staple"
 

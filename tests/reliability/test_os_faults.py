@@ -17,7 +17,7 @@ import sys
 import pytest
 from _reliability_helpers import ROOT, TINY, cli, copy_run, error_lines, journal, tmp_leftovers, tree_hash
 
-from fedshard_lightning.cache import FLCache
+from fedshard_lightning.flcache import FLCache
 
 
 def _unlearn(run, clients="[2]"):

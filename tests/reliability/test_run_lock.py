@@ -38,7 +38,7 @@ def _partial(reference_run, path):
     """A run killed after its first commit (stage 1 of 3): ``fit --ckpt_path`` resumes it."""
     import shutil
 
-    from fedshard_lightning.cache import FLCache
+    from fedshard_lightning.flcache import FLCache
 
     run = copy_run(reference_run, path)
     FLCache(run / "cache").set_current("0001-stage-1")

@@ -18,8 +18,8 @@ import torch
 from _reliability_helpers import cli, copy_run, error_lines, snapshot
 from safetensors.torch import load_file
 
-from fedshard_lightning.cache import FLCache, load_tensors, sha256_file
 from fedshard_lightning.errors import CacheError
+from fedshard_lightning.flcache import FLCache, load_tensors, sha256_file
 
 
 class _Evil:

@@ -26,7 +26,7 @@ from _reliability_helpers import (
     unlearn_plans,
 )
 
-from fedshard_lightning.cache import FLCache, load_tensors
+from fedshard_lightning.flcache import FLCache, load_tensors
 from fedshard_lightning.trainer import FederatedTrainer
 
 CLIENTS = UNLEARN_CLIENTS

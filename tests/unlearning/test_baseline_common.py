@@ -6,8 +6,8 @@ import pytest
 import torch
 from _baseline_helpers import fit, loaded, make, max_diff, unlearn
 
-from fedshard_lightning.cache import FLCache
 from fedshard_lightning.errors import CacheError
+from fedshard_lightning.flcache import FLCache
 from fedshard_lightning.unlearning import FATS, FedAvg, FedEraser, FedRecover, RapidRetrain
 
 METHODS = {

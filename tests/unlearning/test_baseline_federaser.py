@@ -7,8 +7,8 @@ import pytest
 import torch
 from _baseline_helpers import fit, max_diff
 
-from fedshard_lightning.cache import FLCache
 from fedshard_lightning.engine import Group, stack_params
+from fedshard_lightning.flcache import FLCache
 from fedshard_lightning.unlearning import FedEraser
 from fedshard_lightning.unlearning.federaser import calibrate_updates, weighted_mean
 

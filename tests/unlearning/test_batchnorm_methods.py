@@ -12,11 +12,11 @@ import pytest
 import torch
 from _models import BNDropoutCNN
 
-from fedshard_lightning.cache import load_tensors
 from fedshard_lightning.data import SyntheticDataModule
 from fedshard_lightning.engine import FederatedEngine, Group, LocalSchedule, stack_params
 from fedshard_lightning.engine.local_layers import local_layer_names
 from fedshard_lightning.errors import ConfigError
+from fedshard_lightning.flcache import load_tensors
 from fedshard_lightning.models import MLP
 from fedshard_lightning.module import bind_model
 from fedshard_lightning.trainer import FederatedTrainer

@@ -9,8 +9,8 @@ import pytest
 import torch
 from _fedshard_helpers import audit, fit, loaded, make, stage_models, unlearn
 
-from fedshard_lightning.cache import FLCache
 from fedshard_lightning.errors import CacheError, UnlearningRequestError
+from fedshard_lightning.flcache import FLCache
 
 
 def _retrained(report):

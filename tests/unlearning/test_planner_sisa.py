@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 import torch
 
-from fedshard_lightning.cache import FLCache
 from fedshard_lightning.callbacks import FederatedCallback
 from fedshard_lightning.data import SyntheticDataModule
 from fedshard_lightning.engine import Group, stack_params
 from fedshard_lightning.errors import ContractError
+from fedshard_lightning.flcache import FLCache
 from fedshard_lightning.models import MLP
 from fedshard_lightning.trainer import FederatedTrainer
 from fedshard_lightning.unlearning.planner import Planner, StagePlan

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from fedshard_lightning.cache import FLCache
 from fedshard_lightning.callbacks import FederatedCallback
 from fedshard_lightning.data import SyntheticDataModule
 from fedshard_lightning.engine import Group, stack_params, unstack_params
 from fedshard_lightning.errors import CacheError, ConfigError, FedShardError
+from fedshard_lightning.flcache import FLCache
 from fedshard_lightning.models import MLP
-from fedshard_lightning.run_dir import run_lock
+from fedshard_lightning.run.directory import run_lock
 from fedshard_lightning.trainer import FederatedTrainer
 from fedshard_lightning.unlearning import FATS, Algorithm, FedAvg, FedEraser, FedShard, UnlearnResult
 

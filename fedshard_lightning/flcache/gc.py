@@ -1,0 +1,102 @@
+"""``FLCache.gc``: drop the models of old versions, keep every manifest, stack index and request log."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
+
+from fedshard_lightning.errors import CacheError
+
+if TYPE_CHECKING:
+    from fedshard_lightning.flcache.reader import CacheReader
+    from fedshard_lightning.flcache.stacks import StackStore
+from fedshard_lightning.flcache.io import BLOBS, _fsync_dir, atomic_write_json, remove_stale_tmp
+
+__all__ = ["Retention"]
+
+
+class Retention:
+    """Retention of :class:`~fedshard_lightning.flcache.cache.FLCache`, over its reader and its stacks."""
+
+    def __init__(
+        self, reader: CacheReader, stacks: StackStore, lock: Callable[[], AbstractContextManager[None]]
+    ) -> None:
+        self.reader = reader
+        self.stacks = stacks
+        self.lock = lock
+
+    def gc(self, keep: int) -> dict[str, Any]:
+        """Drop the blobs that no kept version uses; keep every manifest and every stack index.
+
+        The kept versions are the ``keep`` newest and the current one. Versions not kept are listed
+        in ``PRUNED`` (written atomically *before* any blob is removed, so a crash in the middle
+        leaves a consistent cache: kept versions intact, pruned ones marked, some garbage left for
+        the next ``gc``). Their manifests and stack indexes stay: the history of requests and the
+        digest of every model each version had remain provable. Unreferenced blobs that a killed
+        writer left are removed too.
+
+        Args:
+            keep: Number of newest versions whose models stay loadable (>= 1).
+
+        Returns:
+            What was kept, pruned and removed (counts and bytes).
+        """
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise CacheError(f"keep={keep!r}: keep at least the newest version (an integer >= 1)")
+        if not self.reader.exists():
+            raise CacheError(f"{self.reader.root} has no committed FLCache (no CURRENT); nothing to collect")
+        with self.lock():
+            versions = self.reader.versions()
+            current = self.reader.current()
+            kept = set(versions[-keep:]) | {current}
+            already = self.reader.pruned()
+            if already & kept:
+                raise CacheError(
+                    f"versions {sorted(already & kept)} were pruned by an earlier gc; they cannot be kept again"
+                )
+            live: set[str] = set()
+            for version in versions:
+                manifest = self.reader.manifest(version)
+                live.update(
+                    self.reader.log_digests(self.reader.root / version / "manifest.json")
+                )  # history stays
+                for sname, entry in manifest["stacks"].items():
+                    live.add(entry["snapshot"])
+                    if version in kept:
+                        live.update(self.stacks.digests(sname, version, manifest))
+                if version in kept:
+                    live.update(manifest["files"].values())
+            missing = sorted(d for d in live if not self.reader.blob_path(d).is_file())
+            if missing:
+                raise CacheError(
+                    f"kept versions use {len(missing)} missing blobs (e.g. {self.reader.blob_path(missing[0])}); "
+                    "the cache is damaged, nothing was removed"
+                )
+            pruned = sorted(already | (set(versions) - kept))
+            atomic_write_json(self.reader.root / "PRUNED", {"versions": pruned})
+            removed = removed_bytes = kept_bytes = 0
+            blobs = self.reader.root / BLOBS
+            for sub in sorted(blobs.iterdir()) if blobs.is_dir() else []:
+                if not sub.is_dir():
+                    continue
+                remove_stale_tmp(sub)
+                for entry in os.scandir(sub):
+                    if entry.name in live:
+                        kept_bytes += entry.stat().st_size
+                        continue
+                    if entry.name.startswith("."):
+                        continue  # a live writer's temporary file (stale ones went above)
+                    removed_bytes += entry.stat().st_size
+                    os.unlink(entry.path)
+                    removed += 1
+                _fsync_dir(sub)
+            return {
+                "kept": sorted(kept),
+                "pruned": pruned,
+                "removed_blobs": removed,
+                "removed_bytes": removed_bytes,
+                "kept_blobs": len(live),
+                "kept_bytes": kept_bytes,
+            }

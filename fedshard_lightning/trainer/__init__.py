@@ -1,0 +1,26 @@
+"""The trainer: :class:`FederatedTrainer` owns Fabric, the stage loop, every commit and check.
+
+:mod:`~fedshard_lightning.trainer.trainer` (the class and its commands), its options
+(:mod:`~fedshard_lightning.trainer.options`), the loop events and commits
+(:mod:`~fedshard_lightning.trainer.loop`), unlearning requests
+(:mod:`~fedshard_lightning.trainer.requests`), ``test`` and ``audit``
+(:mod:`~fedshard_lightning.trainer.commands`) and ``fast_dev_run``
+(:mod:`~fedshard_lightning.trainer.dev_run`). ``FederatedTrainer`` is imported on first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fedshard_lightning.trainer.trainer import FederatedTrainer
+
+__all__ = ["FederatedTrainer"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "FederatedTrainer":
+        from fedshard_lightning.trainer.trainer import FederatedTrainer
+
+        return FederatedTrainer
+    raise AttributeError(f"module 'fedshard_lightning.trainer' has no attribute {name!r}")
