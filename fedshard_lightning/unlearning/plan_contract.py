@@ -20,17 +20,15 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import Tensor
 
 from fedshard_lightning.engine import Group, TrainResult
 from fedshard_lightning.errors import ContractError
+from fedshard_lightning.unlearning.base import Algorithm
 from fedshard_lightning.unlearning.contract import check_params
 from fedshard_lightning.unlearning.plan_state import BASE_FIELDS, PlanState, StagePlan, field_problem
-
-if TYPE_CHECKING:
-    from fedshard_lightning.unlearning.planner import Planner
 
 __all__ = ["PLANNER_FORBIDS", "PLANNER_REQUIRES", "CheckedPlanner", "check_field_values", "check_plan"]
 
@@ -55,7 +53,7 @@ def _int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def check_plan(alg: Planner, plan: Any, where: str) -> StagePlan:
+def check_plan(alg: Algorithm, plan: Any, where: str) -> StagePlan:
     """``plan`` if it is a well-formed :class:`StagePlan` for this run, else a one-line error."""
     if not isinstance(plan, StagePlan):
         raise ContractError(
@@ -89,7 +87,7 @@ def check_plan(alg: Planner, plan: Any, where: str) -> StagePlan:
     return plan
 
 
-def check_rows(alg: Planner, init: Any, rows: int, where: str) -> Mapping[str, Tensor]:
+def check_rows(alg: Algorithm, init: Any, rows: int, where: str) -> Mapping[str, Tensor]:
     """Initial models: the model's names, one row per group, each shaped like ``theta0``."""
     theta0 = alg.theta0
     if not isinstance(init, Mapping) or set(init) != set(theta0):
@@ -106,7 +104,7 @@ def check_rows(alg: Planner, init: Any, rows: int, where: str) -> Mapping[str, T
     return init
 
 
-def check_field_values(alg: Planner, fields: Mapping[str, Any], where: str) -> None:
+def check_field_values(alg: Algorithm, fields: Mapping[str, Any], where: str) -> None:
     """Refuse a state value that the cache cannot store (a dict of tensors, JSON or None)."""
     for name, value in fields.items():
         problem = field_problem(value)
@@ -120,7 +118,7 @@ def check_field_values(alg: Planner, fields: Mapping[str, Any], where: str) -> N
 class CheckedPlanner:
     """A planner's methods, each called with the checks of the module docstring."""
 
-    def __init__(self, alg: Planner) -> None:
+    def __init__(self, alg: Algorithm) -> None:
         self.alg = alg
         self.name = type(alg).__name__
 
