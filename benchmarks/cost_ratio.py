@@ -1,4 +1,4 @@
-"""FedShard's unlearning cost ratio to retraining, both ways (issue 14), against the paper's r1.
+"""FedShard's unlearning cost ratio to retraining, both ways, against the paper's r1.
 
 Per client c (each unlearned alone, exact client-steps from the tree, no training needed):
 

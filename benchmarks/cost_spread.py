@@ -1,4 +1,4 @@
-"""How much of FedShard's unlearning-cost spread A2's round range causes (issue 14, SPEC section 5).
+"""How much of FedShard's unlearning-cost spread A2's round range causes (SPEC section 5).
 
 For every round setting and seed: fit FedShard (A1, cost-aware allocation) on digits K=64,
 Dirichlet rho=0.1, batch 10, 2 local epochs; take the exact client-steps of unlearning each

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check of issue 19, in one call (5-8 minutes on an H100 in docs/gpu.md runs 2-5):
+# The GPU check of the engine, in one call (5-8 minutes on an H100, docs/gpu.md):
 #   bash benchmarks/device_check.sh [LOG]       (default LOG: $OUT/device_check.log, else ./device_check.log)
 # It ends with "every step passed", or names each failed step and exits 1.
 # Prints the device, runs the `cuda` tests, engine vs loop on CUDA (digits MLP, 2NN, FedAvg CNN,
@@ -8,8 +8,8 @@
 # utilisation against the GPU's own fp32 matmul peak, and one
 # FedShard stage of configs/cifar100.yaml on synthetic CIFAR-100-shaped data with the projected
 # time of the whole run. Each step has its own time limit, so one slow step cannot eat the rest:
-# together at most 580 s (640 s with DEVICE_CHECK_COMPILE=1), inside a 10-minute call; run 5 of
-# docs/gpu.md took 7m42s.
+# together at most 580 s (640 s with DEVICE_CHECK_COMPILE=1), inside a 10-minute call; the H100
+# run in docs/gpu.md took 7m42s.
 # Needs: torch with CUDA, lightning, torchmetrics, scikit-learn, safetensors, pytest (the package
 # itself is imported from this checkout; the CLI's jsonargparse and wandb are not needed).
 set -uo pipefail

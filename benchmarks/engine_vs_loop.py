@@ -5,9 +5,9 @@ runs a warm-up round, then ``--repeats`` timed runs of ``--rounds`` rounds with 
 table reports medians and the stacked/loop ratio.
 
     python benchmarks/engine_vs_loop.py                   # digits MLP and MNIST-shaped CNN, 64 clients
-    python benchmarks/engine_vs_loop.py --suite full      # the issue-7 grid
-    python benchmarks/engine_vs_loop.py --suite gpu --device cuda   # the issue-19 grid on a GPU
-    python benchmarks/engine_vs_loop.py --suite user      # issue 15: BatchNorm + dropout models
+    python benchmarks/engine_vs_loop.py --suite full      # MLPs and CNNs at K = 64 and 256, B = 10 and 50
+    python benchmarks/engine_vs_loop.py --suite gpu --device cuda   # the GPU grid of docs/gpu.md
+    python benchmarks/engine_vs_loop.py --suite user      # models as Lightning users write them (BatchNorm, dropout)
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def workload(name: str, clients: int, device: str = "cpu", tf32: bool | None = N
             as_uint8=True,
         )
         model = ResNetGN(depth=20, width=16, groups=4, lr=0.05)
-    elif name in ("cifar-bncnn", "cifar-resnet18bn"):  # issue 15: BatchNorm + dropout, CIFAR-10-shaped
+    elif name in ("cifar-bncnn", "cifar-resnet18bn"):  # BatchNorm + dropout, CIFAR-10-shaped
         dm = SyntheticDataModule(
             num_clients=clients, partition="iid", num_samples=50 * clients, shape=(3, 32, 32), as_uint8=True
         )
@@ -168,7 +168,7 @@ def time_mode(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--suite", choices=["issue2", "full", "gpu", "user"], default="issue2")
+    ap.add_argument("--suite", choices=["quick", "full", "gpu", "user"], default="quick")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--workloads", nargs="*", choices=WORKLOADS, help="restrict the suite to these")
     ap.add_argument("--clients", nargs="*", type=int, help="restrict the suite to these K")

@@ -1,7 +1,7 @@
 """Bounds on the counts a config gives (rounds, local epochs and steps).
 
-A count has no natural maximum, but a typo has: ``t1: 1e21`` used to start a fit that would
-never end, and off a terminal printed nothing until its first stage did. A million rounds (or
+A count has no natural maximum, but a typo has: unchecked, ``t1: 1e21`` would start a fit that
+never ends and, off a terminal, prints nothing until its first stage does. A million rounds (or
 local epochs, or local steps) is far beyond any published FL run and still finishes; above
 that a count is a mistake, stopped at start-up in one line naming the field.
 """

@@ -19,6 +19,8 @@ from fedshard_lightning.data import DigitsDataModule
 from fedshard_lightning.models import MLP
 
 ROOT = Path(__file__).resolve().parent.parent
+# configs/digits.yaml at 8 clients and at most 3 rounds a shard (rounds: auto's cap)
+SMALL = ("--data.num_clients", "8", "--trainer.algorithm.max_rounds", "3")
 
 
 def _fit_digits(root: Path, *extra: str) -> Path:
@@ -49,7 +51,8 @@ def _accuracy(model: torch.nn.Module, config: dict) -> float:
 
 @pytest.fixture(scope="module")
 def digits_run(tmp_path_factory):
-    return _fit_digits(tmp_path_factory.mktemp("ckpt"))
+    """What these tests load and refit does not depend on the size (as shipped: about 30 s a fit)."""
+    return _fit_digits(tmp_path_factory.mktemp("ckpt"), *SMALL)
 
 
 def test_both_ways_give_the_deployed_model_and_test_accuracy(digits_run):
@@ -92,7 +95,7 @@ def test_a_fit_from_the_runs_config_reproduces_its_model(digits_run, tmp_path):
 
 
 def test_unlearn_and_repair_rewrite_model_ckpt(tmp_path):
-    run = _fit_digits(tmp_path, "--data.num_clients", "8")
+    run = _fit_digits(tmp_path, *SMALL)
     before = torch.load(run / "model.ckpt", weights_only=True)["state_dict"]
     code, _, err = cli(["unlearn", "--ckpt_path", str(run), "--clients", "[2]"])
     assert code == 0, err

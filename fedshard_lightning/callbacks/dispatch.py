@@ -1,8 +1,8 @@
 """``Fabric.call`` without re-reading every callback's signature at every round.
 
 ``Fabric.call`` filters the keyword arguments by ``inspect.signature`` of each callback's method
-on every call: with the default callbacks, 5 signatures per round, about 0.1 ms a round on this
-project's 2-core CPU, a few percent of a small model's fit (issue 20). :func:`call_hook` does
+on every call: with the default callbacks, 5 signatures per round, a few percent of a small
+model's fit. :func:`call_hook` does
 what ``Fabric.call`` does, in the same order with the same arguments, but keeps the filter per
 method function, and skips the base class's no-op hooks.
 """

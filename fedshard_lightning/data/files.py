@@ -3,7 +3,7 @@
 A dataset read from files (MNIST, Fashion-MNIST, EMNIST, CIFAR-10/100, SVHN, Adult, Purchase-100)
 subclasses :class:`FileDataModule`, names its files (:attr:`FileDataModule.resources`, each with
 its published checksum) and implements :meth:`FileDataModule.read_split`. The base supplies the
-rest that every such dataset used to repeat: ``<data_dir>/<folder>``, ``prepare_data`` fetching
+rest that every such dataset would otherwise repeat: ``<data_dir>/<folder>``, ``prepare_data`` fetching
 and unpacking verified files when ``download: true``, downloading from ``setup`` as well when a
 Fabric loop never called ``prepare_data``, the one-line error for absent files, and reading both
 splits once for datasets whose test encoding depends on the training split.

@@ -2,8 +2,8 @@
 
 Stacked clients make every step allocate and free tensors of a few MB (gradients, activations
 of all clients at once). glibc's malloc serves such sizes with fresh ``mmap`` pages or trims the
-heap after each free, so every step page-faults and zero-fills them again: on the digits MLP with
-64 clients this was about half of a stacked step (see docs/benchmarks.md). Raising glibc's mmap
+heap after each free, so every step page-faults and zero-fills them again, and on small models
+that work rivals the step's own arithmetic. Raising glibc's mmap
 and trim thresholds keeps the freed memory for reuse; the resident set stays at its peak instead
 of shrinking between steps. Set ``FEDSHARD_KEEP_MALLOC=1`` to leave the allocator alone.
 """
@@ -56,7 +56,8 @@ def configure_process(device: str | object, tf32: bool | None = None) -> None:
     (exact unlearning), and does not benchmark algorithms per shape. TF32 is set explicitly
     (:func:`tf32_flags`), so a process's bits never depend on what ran in it before: ``None``
     keeps torch's defaults (convolutions TF32, matmuls IEEE), ``True`` TF32 in both, ``False``
-    IEEE float32 in both (ResNetGN ran 2.8x slower so on an H100, docs/gpu.md).
+    IEEE float32 in both (slower for convolutions and no more accurate than TF32 for the grouped
+    ones; docs/gpu.md's H100 table has the IEEE rates).
     """
     kind = str(device).split(":")[0]
     if kind == "cpu":

@@ -4,10 +4,11 @@ For a model whose stacked program (:mod:`fedshard_lightning.engine.stacked`) is 
 (input -> layer -> ... -> cross-entropy), the gradients of all clients are computed by explicit
 backward formulas instead of autograd, and plain SGD applies each weight's update inside the
 matrix product that computes its gradient (``W <- W - lr * g^T h`` as one ``baddbmm``), so no
-gradient tensor is ever written. On the digits MLP with 64 clients this cut a stacked step from
-about 2.7 ms to 1.3 ms on one CPU thread (docs/benchmarks.md); the result equals autograd on the
-user's loss up to floating-point rounding, which the engine checks before using it
-(:mod:`.kernel_check`).
+gradient tensor is ever written. A small model's stacked step is bound by the number of kernels
+and the memory they touch, not by arithmetic, so skipping autograd's graph and the gradient
+tensors is most of what makes small MLPs fast (the "fx+chain" kernel of docs/benchmarks.md's
+engine-vs-loop table). The result equals autograd on the user's loss up to floating-point
+rounding, which the engine checks before using it (:mod:`.kernel_check`).
 """
 
 from __future__ import annotations

@@ -12,8 +12,9 @@ as :meth:`.chain.StackedChain.step` on the same values, so the results are the s
   tensors (they are views: the in-place SGD updates show through them), not once per step;
 * reuses the constant ``-1`` of the cross-entropy gradient instead of allocating it per step.
 
-Measured on the digits MLP against the link-by-link step (1 thread): 103 -> 77 us per step of one
-client, 736 -> 702 us for 64 clients (docs/benchmarks.md).
+The saving is per step, not per client, so it matters most for the one- and two-client steps of
+an unlearning request's lower stages; ``benchmarks/overhead_profile.py --what rounds`` measures
+a round's fixed and per-client parts.
 """
 
 from __future__ import annotations

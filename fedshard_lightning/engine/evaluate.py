@@ -51,12 +51,12 @@ class Evaluator:
 
     It keeps a private copy of the module in eval mode and copies the parameters into it, so an
     evaluation is a plain forward: no ``functional_call`` re-binding and no train/eval switching
-    of the user's module, which cost more than the forward itself for small models (0.32 ms
-    against 0.16 ms per digits evaluation, docs/benchmarks.md). The copy runs the same operators on
-    the same values as :func:`evaluate`, so the metrics are the same bits. Tensors that ``params``
-    does not hold (frozen weights, buffers such as ``num_batches_tracked``) are read from the
-    user's module at each call, as :func:`predict_logits` does. A module that cannot be deep-copied
-    (it holds a lock, a file or a process handle) is evaluated by :func:`evaluate` instead.
+    of the user's module, which cost more than the forward itself for small models. The copy runs
+    the same operators on the same values as :func:`evaluate`, so the metrics are the same bits.
+    Tensors that ``params`` does not hold (frozen weights, buffers such as ``num_batches_tracked``)
+    are read from the user's module at each call, as :func:`predict_logits` does. A module that
+    cannot be deep-copied (it holds a lock, a file or a process handle) is evaluated by
+    :func:`evaluate` instead.
 
     Args:
         module: The user's module (never modified).

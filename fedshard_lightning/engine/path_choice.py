@@ -131,8 +131,8 @@ def first_round_sample(
 ) -> tuple[dict[str, Tensor], ClientBatch] | None:
     """Round 0's first chunk of a call: the start models and clients its first round would time.
 
-    ``vectorize: auto`` decides on them before the engine picks its lean or general path (the
-    general path used to decide inside its first round, on the same models and clients).
+    ``vectorize: auto`` decides on them before the engine picks its lean or general path, so both
+    paths decide on the same models and clients.
     """
     active = [i for i, g in enumerate(groups) if g.rounds > 0 and g.clients]
     if not active:
@@ -302,7 +302,7 @@ def time_paths(local: LocalTrainer, start: dict[str, Tensor], batch: ClientBatch
     The stacked kernel runs up to 8 clients (its cost per client falls with more clients, so
     this is conservative) and the loop 2 (its cost is linear in clients); each is timed twice,
     interleaved, and its best time per client counts, so one preempted run on a busy machine
-    does not decide. The issue-7 digits profile spent 88 ms here with 8 looped clients. A model
+    does not decide; timing the loop on more clients would cost more than the choice saves. A model
     whose stacked bits depend on the neighbouring clients takes the loop untimed.
 
     Args:

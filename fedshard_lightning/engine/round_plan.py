@@ -4,8 +4,8 @@ A round of :meth:`~fedshard_lightning.engine.FederatedEngine.train_groups` needs
 local training itself, the flat list of participants, the group owning each, the chunks and their
 index tensors, and each group's FedAvg weight (its participants' samples). All of it is a function
 of the participants alone, so one :class:`RoundPlan` serves every round with the same
-participants: every round of a full-participation call, where it used to be rebuilt each round
-(a fixed cost that matters when a round trains one or two clients, as unlearning's do).
+participants: every round of a full-participation call, instead of being rebuilt each round (a
+fixed cost that matters when a round trains one or two clients, as unlearning's do).
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 
 fx records a call such as ``F.cross_entropy(proxy, y)`` through ``Proxy.__torch_function__``,
 which asks ``torch.overrides.is_tensor_method_or_property``; the first such question in a process
-builds torch's table of every overridable function, about 11 ms on this project's 2-core CPU
-(docs/benchmarks.md), more than the rest of the trace. Every default ``per_sample_loss`` ends in a
-cross entropy, so every first fit of a process paid it. :func:`trace` patches the functions the
+builds torch's table of every overridable function, which takes longer than the rest of the
+trace. Every default ``per_sample_loss`` ends in a cross entropy, so every first fit of a process
+would pay it. :func:`trace` patches the functions the
 stacked rewrite knows, for the length of the trace only (as fx patches ``nn.Module.__call__``),
 so that a call with a proxy argument becomes the same ``call_function`` node directly. Functions
 outside the list, and names imported before the trace (``from torch.nn.functional import relu``),

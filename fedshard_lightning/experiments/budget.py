@@ -11,6 +11,12 @@ spends the same client-steps (one client-step = one local optimizer step of one 
 - FATS draws ``sample_size`` clients with replacement per round and drops duplicates, so a round
   holds ``K (1 - (1 - 1/K)^m)`` distinct clients on average: ``rounds = round(C / (S * that / K))``.
 
+A FedShard after the first method whose rounds are calibrated (``rounds: auto`` or ``stage_a2``)
+gets the calibration cap ``max_rounds = floor(C / (P * S))`` with ``P`` its number of stages: no
+stage trains more than its share of the budget. With stage-shared rounds (``stage_a2``) that run
+to the cap, as they do on digits, the fit spends ``P * S * cap``, just under ``C``; a stage that
+converges earlier spends less (the table reports every fit's client-steps).
+
 RapidRetrain keeps its ratio of unlearning to training rounds. The fit's real client-steps are
 reported beside the target, because rounding (and FATS's draws) leave a small difference. The
 copy's recorded constructor arguments (the run's cache fingerprint and hparams) get the new
@@ -22,6 +28,8 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from typing import Any
+
+from fedshard_lightning.sharding import AutoRounds, num_stages
 
 __all__ = ["match_budget"]
 
@@ -45,6 +53,9 @@ def match_budget(algorithm: Any, budget: int, client_steps: Sequence[int]) -> tu
         and a sentence ``rule``.
     """
     alg = copy.deepcopy(algorithm)
+    policy = getattr(alg, "round_policy", None)
+    if isinstance(policy, AutoRounds):
+        return _cap_calibration(alg, policy, budget, client_steps)
     if not hasattr(alg, "rounds") or not isinstance(alg.rounds, int):
         return alg, {"rule": "reference (its own rounds)", "rounds": None, "target_client_steps": budget}
     k = len(client_steps)
@@ -66,3 +77,17 @@ def match_budget(algorithm: Any, budget: int, client_steps: Sequence[int]) -> tu
     if isinstance(recorded, dict):  # what the fingerprint and a reopened run read (init_args.py)
         object.__setattr__(alg, "_init_args", {**recorded, **changed})
     return alg, {"rule": rule, "rounds": rounds, "target_client_steps": budget}
+
+
+def _cap_calibration(
+    alg: Any, policy: AutoRounds, budget: int, client_steps: Sequence[int]
+) -> tuple[Any, dict[str, Any]]:
+    """A FedShard with calibrated rounds, its cap set so that ``P`` stages at the cap spend ``budget``."""
+    stages = num_stages(len(client_steps), alg.merge_rate)
+    cap = max(1, int(budget // (stages * float(sum(client_steps)))))
+    policy.max_rounds = cap
+    recorded = getattr(alg, "_init_args", None)
+    if isinstance(recorded, dict):
+        object.__setattr__(alg, "_init_args", {**recorded, "max_rounds": cap})
+    rule = f"calibration cap max_rounds = floor(C / (P S)) = {cap} (P = {stages} stages)"
+    return alg, {"rule": rule, "rounds": cap, "target_client_steps": budget}

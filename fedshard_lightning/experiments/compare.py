@@ -3,7 +3,8 @@
 Every method trains on the same data partition with the same seed, model, batch size and local
 epochs (checked), **at the same training budget in client-steps** (``budget="match"``: FedShard,
 the first method, fits first; every other method gets the rounds that spend the same client-steps,
-see :mod:`~fedshard_lightning.experiments.budget`), then unlearns the same clients, each alone
+a FedShard with calibrated rounds the calibration cap that keeps it within them, see
+:mod:`~fedshard_lightning.experiments.budget`), then unlearns the same clients, each alone
 (:class:`~fedshard_lightning.callbacks.UnlearningReplay` in measured mode). With ``seeds`` it
 repeats everything per seed (data partition and training seed) and reports mean ± std.
 

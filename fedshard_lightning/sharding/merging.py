@@ -33,6 +33,12 @@ Departures from the paper and choices of ours (SPEC section 5 decides the first 
   it can say them before training (A2 with a fixed range, fixed rounds); ``weighting="uniform"``
   drops eq. 7's ``1 / |alpha_c|`` weights (the variance of the predicted costs), which a client
   with a near-zero alpha can otherwise dominate. ``FedShard(merge="a1_cost")`` switches all three.
+  ``shared_rounds=True`` (with ``refine``) also refines the stages whose rounds are not known before
+  training (the calibration stages of ``auto`` and ``stage_a2``): every shard is given the stage's
+  expected rounds, which is the exact shape of the costs when all shards of a stage train the same
+  rounds (``rounds: stage_a2``), since M_e's minimiser does not change when all rounds scale alike.
+  ``FedShard(merge="a1_path")`` is ``a1_cost`` with it: it balances every client's whole
+  root-to-leaf path cost in every stage (docs/fairness.md derives why that can beat FedAvg's M_e).
 - ``allocation="count"`` (the first implementation, kept for the ablation, and used whenever no
   :class:`StageCosts` is given): the shard whose addition keeps the groups' client counts most
   even, measured by the variance, over all groups, of the *projected* client counts: a group's
@@ -67,7 +73,15 @@ from fedshard_lightning.sharding.cost_filler import CostFiller, CostPool
 from fedshard_lightning.sharding.costs import StageCosts, refine_by_swaps
 from fedshard_lightning.sharding.count_filler import CountFiller, CountPool
 
-__all__ = ["A1Merge", "MergePolicy", "RandomMerge", "a1_grouping", "group_capacities", "random_grouping"]
+__all__ = [
+    "A1Merge",
+    "MergePolicy",
+    "RandomMerge",
+    "a1_grouping",
+    "group_capacities",
+    "random_grouping",
+    "with_shared_rounds",
+]
 
 
 class MergePolicy:
@@ -141,6 +155,9 @@ class A1Merge(MergePolicy):
         weighting: ``alpha`` (default): the M_e of ``allocateChildShard`` weighs every client by
             ``1 / max(|alpha_c|, eps)`` (paper eq. 7, the weights the costs carry); ``uniform``:
             every client alike (our variant).
+        shared_rounds: With ``refine``: where the round policy cannot say the rounds before training
+            (calibration), refine under the stage's expected rounds for every shard (our variant,
+            exact in shape for stage-shared rounds); False (default) skips those stages.
 
     Raises:
         ConfigError: If ``n_init`` is not a positive integer, or ``allocation`` or ``weighting``
@@ -156,6 +173,7 @@ class A1Merge(MergePolicy):
         random_start: bool = True,
         refine: bool = False,
         weighting: Literal["alpha", "uniform"] = "alpha",
+        shared_rounds: bool = False,
     ) -> None:
         if isinstance(n_init, bool) or not isinstance(n_init, int) or n_init < 1:
             raise ConfigError(f"n_init={n_init!r} must be an integer >= 1 (KMeans initializations)")
@@ -168,6 +186,7 @@ class A1Merge(MergePolicy):
         self.allocation = allocation
         self.random_start, self.refine = bool(random_start), bool(refine)
         self.weighting = weighting
+        self.shared_rounds = bool(shared_rounds)
 
     def __repr__(self) -> str:
         """The arguments, the variants only where set (the paper's defaults keep the repr short)."""
@@ -177,6 +196,7 @@ class A1Merge(MergePolicy):
                 ("random_start", self.random_start, True),
                 ("refine", self.refine, False),
                 ("weighting", self.weighting, "alpha"),
+                ("shared_rounds", self.shared_rounds, False),
             )
             if v != d
         )
@@ -193,6 +213,8 @@ class A1Merge(MergePolicy):
         """Group the shards by A1; see :func:`a1_grouping`."""
         if costs is not None and self.weighting == "uniform":
             costs = dataclasses.replace(costs, weights=None)
+        if costs is not None and self.refine and self.shared_rounds and costs.rounds_fn is None:
+            costs = with_shared_rounds(costs)
         return a1_grouping(
             alphas,
             client_counts,
@@ -203,6 +225,25 @@ class A1Merge(MergePolicy):
             random_start=self.random_start,
             refine=self.refine,
         )
+
+
+def with_shared_rounds(costs: StageCosts) -> StageCosts:
+    """``costs`` whose round policy gives every new shard the stage's expected rounds ``costs.rounds``.
+
+    What :func:`~fedshard_lightning.sharding.costs.refine_by_swaps` needs to refine a stage whose
+    rounds are decided during training (calibration), when every shard of the stage will train the
+    same rounds: a common factor on all rounds scales M_e without moving its minimiser.
+    """
+    t = float(costs.rounds)
+    return dataclasses.replace(
+        costs,
+        rounds_fn=lambda children_alphas: [t] * len(children_alphas),
+        rounds_rule=(_zero_statistic, lambda stats: np.full(len(stats), t)),
+    )
+
+
+def _zero_statistic(alphas: Sequence[float]) -> float:
+    return 0.0
 
 
 def group_capacities(num_items: int, merge_rate: int) -> list[int]:

@@ -6,8 +6,8 @@ A2 needs only one number per shard, the variance of its children's alphas, then 
 over those numbers; a swap changes two shards. :func:`round_rule` gives the search that form for
 the built-in policies, so a swap recomputes two variances and one vectorised rule instead of
 calling :meth:`~.rounds.RoundPolicy.rounds` on every shard: the same numbers (tested against
-``rounds``), a quarter of the search's time (docs/benchmarks.md). A subclass, or any other policy, gets
-None and is called as usual.
+``rounds``) for a fraction of the search's time. A subclass, or any other policy, gets None and
+is called as usual.
 """
 
 from __future__ import annotations

@@ -197,7 +197,7 @@ def run_fit(trainer: Any, run_dir: Path, resume: bool, exclude: list[int]) -> di
     algorithm reported no final ``stage_end``, the finished state is committed here.
     """
     config = run_dir / "config.yaml"
-    # new_run_dir wrote the CLI's config before any data was read; now the data has resolved the
+    # new_run_dir wrote the CLI's config before any data was read; once the data has resolved the
     # model's shapes, the run records them (a resumed run's own config stays as it is)
     if (
         trainer.config_yaml is not None

@@ -92,8 +92,9 @@ class FederatedTrainer:
         seed: Training seed in [0, 2**32) (the CLI fills it from ``seed_everything``). A call
             seeds torch with it and gives the caller its own generator state back afterwards.
         batch_invariant: Give every client the same float32 bits whoever shares its computation,
-            so unlearning audits bit-exact (default; costs up to 2.2x on launch-bound GPU MLPs,
-            docs/gpu.md). False lets stacked calls shrink as clients finish.
+            so unlearning audits bit-exact (default; costs time on launch-bound GPU MLPs, see the
+            "invariance cost" column in docs/gpu.md). False lets stacked calls shrink as clients
+            finish.
         compile: ``torch.compile`` the stacked step (equal to eager in float64; other float32 bits,
             so unlearn and audit use fit's setting; no speed-up measured).
         tf32: TF32 tensor cores on CUDA: ``null`` keeps torch's defaults (convolutions in TF32,

@@ -61,6 +61,7 @@ def _merge_policy(merge: str | MergePolicy) -> MergePolicy:
     a1 = {
         "a1": {},
         "a1_cost": {"random_start": False, "refine": True, "weighting": "uniform"},
+        "a1_path": {"random_start": False, "refine": True, "weighting": "uniform", "shared_rounds": True},
         "a1_count": {"allocation": "count"},
     }
     if isinstance(merge, MergePolicy):
@@ -70,7 +71,7 @@ def _merge_policy(merge: str | MergePolicy) -> MergePolicy:
     if merge == "random":
         return RandomMerge()
     raise ConfigError(
-        f"algorithm.merge={merge!r}: choose a1, a1_cost, a1_count, random or a MergePolicy class_path"
+        f"algorithm.merge={merge!r}: choose a1, a1_cost, a1_path, a1_count, random or a MergePolicy class_path"
     )
 
 
@@ -83,7 +84,10 @@ class FedShard(ShardCosts, ShardCache, Algorithm):
             direction-balanced merging whose ``allocateChildShard`` picks the child of lowest eq. 7
             M_e, ``1 / |alpha_c|`` weights, of the predicted unlearning costs; no further pass),
             ``a1_cost`` (our variant: stage 1 filled by the costs too, uniform weights, swap
-            refinement under known rounds), ``a1_count`` (A1 balancing client counts, the first
+            refinement under known rounds), ``a1_path`` (our variant for ``rounds: stage_a2``:
+            ``a1_cost`` that also refines the calibration stages under the stage's shared expected
+            rounds, so every stage balances each client's whole path cost), ``a1_count`` (A1
+            balancing client counts, the first
             implementation), ``random`` (naive sharding) or a
             :class:`~fedshard_lightning.sharding.MergePolicy`.
         rounds: ``auto`` (the paper, Appendix D.3: stages 1-2 train to convergence, the fewest and
@@ -111,7 +115,7 @@ class FedShard(ShardCosts, ShardCache, Algorithm):
     def __init__(
         self,
         merge_rate: int = 2,
-        merge: Literal["a1", "a1_cost", "a1_count", "random"] | MergePolicy = "a1",
+        merge: Literal["a1", "a1_cost", "a1_path", "a1_count", "random"] | MergePolicy = "a1",
         rounds: Literal["auto", "a2", "stage_a2", "fixed"] | RoundPolicy = "auto",
         t0: int = 2,
         t1: int = 8,

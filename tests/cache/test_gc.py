@@ -1,5 +1,5 @@
 """``cache gc --keep N``: drops the models no kept version uses, keeps every manifest and index; a crash
-in the middle leaves a consistent cache; a gc'd FedShard run still audits (issue 18)."""
+in the middle leaves a consistent cache; a gc'd FedShard run still audits."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The observability around the engine stays complete but cheap (issue 20).
+"""The observability around the engine stays complete but cheap.
 
 One test evaluation per round for all groups of the round, one CSV row per round with the file
 written per stage (not per round), cache commits only at stage ends, and a live progress line

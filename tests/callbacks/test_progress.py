@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import pytest
 from _tiny import small_synthetic
@@ -67,15 +68,15 @@ def test_plain_round_lines_within_a_long_stage(run_root, capsys, every, want):
     assert len([x for x in out.splitlines() if " done " in x and x.startswith("fit: stage")]) == 3
 
 
-def test_eta_is_none_before_anything_ran_and_counts_remaining_stages():
+def test_eta_is_none_before_anything_ran_and_counts_remaining_stages(monkeypatch):
+    import fedshard_lightning.callbacks.progress as progress
+
+    monkeypatch.setattr(progress, "time", SimpleNamespace(perf_counter=lambda: 100.0))  # the test's clock
     bar = ProgressBar()
     assert bar.eta() is None
     bar._t0, bar._planned, bar._stage, bar._stages_done, bar._rounds, bar._round = 0.0, 4, 2, 2, 5, 5
-    import time
-
-    now = time.perf_counter()
-    bar._t0, bar._stage_t0 = now - 20.0, now  # two stages in 20 s, two to go
-    assert abs(bar.eta() - 20.0) < 1.0
+    bar._t0, bar._stage_t0 = 80.0, 100.0  # two stages in 20 s, two to go
+    assert bar.eta() == pytest.approx(20.0)
 
 
 def test_format_rate_keeps_slow_rates_visible():

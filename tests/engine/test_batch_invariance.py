@@ -1,4 +1,4 @@
-"""A client's float32 result does not depend on which clients share its stacked call (issue 13)."""
+"""A client's float32 result does not depend on which clients share its stacked call."""
 
 from __future__ import annotations
 

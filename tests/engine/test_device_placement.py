@@ -1,11 +1,10 @@
 """Stacked rounds on a stand-in accelerator (tests/_fake_device.py): tensors on one device, no per-step host reads.
 
-A CUDA device is lent to few sessions, so a defect of device placement could ship unseen for
-weeks: commit 28be9e6 gave a CUDA datamodule host indices, and 9 of 12 ``cuda`` tests failed when
-a GPU next ran them. These tests run the engine on ``fdev``, which raises where CUDA would raise and
-counts what CUDA would have to read back to the host, and check issue 19's rule: no host read in
-the step loop (a sync per step stalls the GPU's queue), the batch plan and index tensors uploaded
-once per round, not per step.
+CI has no CUDA device, so a defect of device placement (a CUDA datamodule handing out host
+indices, say) would ship unseen until a GPU runs the ``cuda`` tests. These tests run the engine
+on ``fdev``, which raises where CUDA would raise and counts what CUDA would have to read back to
+the host, and check the rule of docs/gpu.md: no host read in the step loop (a sync per step
+stalls the GPU's queue), the batch plan and index tensors uploaded once per round, not per step.
 """
 
 from __future__ import annotations

@@ -134,8 +134,10 @@ def test_match_budget_rules():
     assert fats.rounds == round(400 / (20 * share))
     rr, how = match_budget(RapidRetrain(rounds=10, unlearn_rounds=5), 400, steps)
     assert rr.rounds == 20 and rr.unlearn_rounds == 10 and "unlearn_rounds" in how["rule"]
-    _fs, how = match_budget(FedShard(), 400, steps)
+    _fs, how = match_budget(FedShard(rounds="fixed"), 400, steps)
     assert how["rounds"] is None
+    capped, how = match_budget(FedShard(), 400, steps)  # calibrated: P = 4 stages for K = 10
+    assert capped.round_policy.max_rounds == how["rounds"] == 400 // (4 * 20)
 
 
 def test_compare_rejects_unknown_clients(tmp_path):

@@ -50,7 +50,16 @@ def test_parse_errors_are_one_line(tmp_path, capsys, module, option):
     assert err == f"error: {option[2:]}: expected a float, got abc"
 
 
-@pytest.mark.parametrize("name", ["compare", "cascade", "poisoning"])
+# Each is a fresh interpreter; the name comes from run_cli, which all three share, so cascade's and
+# poisoning's run -m slow and compare's covers run_cli under python -m.
+@pytest.mark.parametrize(
+    "name",
+    [
+        "compare",
+        pytest.param("cascade", marks=pytest.mark.slow),
+        pytest.param("poisoning", marks=pytest.mark.slow),
+    ],
+)
 def test_help_names_the_command_as_it_is_run(name):
     """``usage: python -m fedshard_lightning.experiments.NAME``, as typed (argparse said NAME.py)."""
     import subprocess

@@ -1,4 +1,4 @@
-"""Run-directory edges of issue 16: run_name escapes, journal symlinks, killed report writes."""
+"""Run-directory edges: run_name escapes, journal symlinks, killed report writes."""
 
 from __future__ import annotations
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import os
 
+import pytest
 from _reliability_helpers import cli, copy_run, error_lines, snapshot
 
 
@@ -65,8 +66,14 @@ def test_second_fit_resume_on_a_locked_run_gets_one_line_and_writes_nothing(refe
     assert snapshot(tmp_path) == before
 
 
+@pytest.mark.slow
 def test_two_concurrent_resumes_one_refuses_one_finishes(reference_run, tmp_path):
-    """A real second process: while it holds the run, an in-process resume stops in one line."""
+    """A real second process: while it holds the run, an in-process resume stops in one line.
+
+    Its outcome depends on scheduling (the in-process resume must reach the lock before the other
+    process's resume finishes), so it runs -m slow; the refusal under a held lock, with nothing
+    written, is test_second_fit_resume_on_a_locked_run_gets_one_line_and_writes_nothing.
+    """
     import time
 
     from _reliability_helpers import spawn

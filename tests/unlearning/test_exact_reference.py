@@ -1,4 +1,4 @@
-"""Unlearning equals, bit for bit in float32, a from-scratch FedAvg written here (issue 13).
+"""Unlearning equals, bit for bit in float32, a from-scratch FedAvg written here.
 
 The reference shares no code with FedShard's replay, the engine's training loop or its
 aggregation: it reads the frozen tree (shards, children, rounds), the partition and the keyed

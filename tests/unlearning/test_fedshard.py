@@ -160,6 +160,28 @@ def test_ablation_settings_train_and_unlearn(run_root, merge, rounds):
     assert audit(run_root, run, **kw)["passed"]
 
 
+def test_a1_path_with_stage_shared_rounds_trains_and_unlearns_exactly(run_root):
+    """``merge: a1_path, rounds: stage_a2``: one number of rounds per stage, every client's predicted
+    cost equal to a plain loop over the frozen tree, exact unlearning (audit)."""
+    kw = dict(k=8, merge="a1_path", rounds="stage_a2", max_rounds=3, precision="64-true")
+    run = fit(run_root, **kw)
+    alg = loaded(run_root, run, **kw)
+    assert alg.variant == "merge: a1_path, rounds: stage_a2"
+    for recs in alg.records:
+        assert len({rec.rounds for rec in recs}) == 1 and 1 <= recs[0].rounds <= 3
+    steps = alg._steps
+    for c in range(8):
+        want = sum(
+            rec.rounds * (sum(steps[o] for o in rec.clients) - steps[c])
+            for recs in alg.records
+            for rec in recs
+            if c in rec.clients
+        )
+        assert alg.predict_cost([c]) == want
+    unlearn(run_root, run, [5], **kw)
+    assert audit(run_root, run, **kw)["passed"]
+
+
 @pytest.mark.parametrize(
     ("clients", "pattern"),
     [

@@ -3,7 +3,7 @@
 ``StagedFedAvg`` below says what trains together (all active clients), from what (the previous
 stage's model) and for how long (``stages`` x ``rounds``), and which state it keeps. It writes no
 cache code, holds no trainer and takes no lock; the trainer supplies the rest. The second half
-checks, one test each, the silent failures of issue 12 that the redesign removes.
+checks, one test each, the silent failures that a trainer-owned loop rules out.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Unlearning trains all affected shards of a stage together, and only those, in one call per request (issue 20)."""
+"""Unlearning trains all affected shards of a stage together, and only those, in one call per request."""
 
 from __future__ import annotations
 
