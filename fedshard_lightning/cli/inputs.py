@@ -23,7 +23,9 @@ __all__ = ["FLOAT32_MAX", "check_command_line", "check_numbers", "join_negative_
 FLOAT32_MAX = 3.4028234663852886e38
 
 # Plain ASCII integers: ``7``, ``[3, 17]``, ``[]`` (negative ones pass here to be named as unknown ids).
-_CLIENTS = re.compile(r"^\s*(?:-?[0-9]+|\[\s*(?:-?[0-9]+\s*(?:,\s*-?[0-9]+\s*)*)?\])\s*$", re.ASCII)
+# No leading zeros: YAML 1.1 reads ``010`` as octal 8, so ``--clients '[010]'`` would unlearn client 8.
+_ID = r"-?(?:0|[1-9][0-9]*)"
+_CLIENTS = re.compile(rf"^\s*(?:{_ID}|\[\s*(?:{_ID}\s*(?:,\s*{_ID}\s*)*)?\])\s*$", re.ASCII)
 
 
 def _is_number(text: str) -> bool:
@@ -82,7 +84,7 @@ def check_command_line(argv: list[str]) -> None:
             if not _CLIENTS.match(value):
                 field = flag[2:]
                 raise UnlearningRequestError(
-                    f"{field}={value!r}: give plain integers (ASCII digits), e.g. --{field} '[3, 17]' or --{field} 7"
+                    f"{field}={value!r}: give plain integers (ASCII digits, no leading zeros), e.g. --{field} '[3, 17]' or --{field} 7"
                 )
     for a in argv:
         value = a.split("=", 1)[1] if a.startswith("--") and "=" in a else a

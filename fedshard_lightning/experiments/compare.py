@@ -43,6 +43,8 @@ from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.errors import ConfigError
 from fedshard_lightning.experiments.budget import match_budget
 from fedshard_lightning.experiments.common import run_cli, seeded_model, with_seed
+from fedshard_lightning.experiments.mia_report import calibrated_mia, mia_markdown, write_mia_summary
+from fedshard_lightning.experiments.mia_shadow import train_shadows
 from fedshard_lightning.experiments.plots import plot_cost_distributions
 from fedshard_lightning.experiments.tables import COLUMNS, aggregate, write_tables
 from fedshard_lightning.metrics import efficiency_fairness
@@ -98,6 +100,18 @@ def _me(costs: list[float], alphas: list[float], eps: float) -> float | None:
     )
 
 
+def _after(mia_cal: dict[str, Any], name: str) -> float | None:
+    """A score of the calibrated MIA after unlearning (none in predicted mode)."""
+    return getattr(mia_cal["after"], name) if "after" in mia_cal else None
+
+
+def _r2(alg: Algorithm, clients: list[int]) -> float | None:
+    """Client-steps of unlearning ``clients`` one by one over unlearning them together (paper's r_2)."""
+    together = float(alg.predict_cost(list(clients)))
+    alone = sum(float(alg.predict_cost([c])) for c in clients)
+    return alone / together if together > 0 else None
+
+
 def compare(
     output_dir: str = "runs/compare",
     algorithms: list[Algorithm] | None = None,
@@ -115,6 +129,9 @@ def compare(
     accelerator: str = "cpu",
     vectorize: Literal["auto", "always", "never"] = "auto",
     replay: Literal["measured", "predicted"] = "measured",
+    mia_attack: Literal["calibrated", "classifier"] = "calibrated",
+    mia_shadows: int = 4,
+    mia_bootstrap: int = 1000,
 ) -> dict[str, Any]:
     """Train every method at the same budget, unlearn the same clients, write the comparison tables.
 
@@ -141,6 +158,13 @@ def compare(
             ``predicted`` only computes the deterministic costs (client-steps, latency) of every
             client from the fitted state, which is much faster for methods such as FATS whose
             unlearning reruns most of the training.
+        mia_attack: ``calibrated`` (default): the per-example offline LiRA test of
+            :mod:`~fedshard_lightning.experiments.mia_shadow` with ``mia_shadows`` FedAvg shadow
+            models per seed, scored by AUC, TPR at 1% FPR and F1, before unlearning and (with
+            ``replay=measured``) after unlearning each audited client (the replay's clients); ``classifier``: the
+            replay's classifier on sorted softmax outputs (F1 and AUC).
+        mia_shadows: Shadow models per seed (even, >= 2) of the calibrated attack.
+        mia_bootstrap: Bootstrap draws of the calibrated attack's confidence intervals (``mia.json``).
 
     Returns:
         ``{"rows": [...], "summary": [...], "clients": [...], "output": path}``.
@@ -155,6 +179,15 @@ def compare(
         raise ConfigError(f"vectorize={vectorize!r}: choose auto, always or never")
     if replay not in ("measured", "predicted"):
         raise ConfigError(f"replay={replay!r}: choose measured or predicted")
+    if mia_attack not in ("calibrated", "classifier"):
+        raise ConfigError(f"mia_attack={mia_attack!r}: choose calibrated or classifier")
+    if (
+        isinstance(mia_shadows, bool)
+        or not isinstance(mia_shadows, int)
+        or mia_shadows < 2
+        or mia_shadows % 2
+    ):
+        raise ConfigError(f"mia_shadows={mia_shadows!r}: must be an even integer >= 2")
     if isinstance(eps_alpha, bool) or not isinstance(eps_alpha, (int, float)) or not 0 < eps_alpha < math.inf:
         raise ConfigError(f"eps_alpha={eps_alpha!r}: must be a positive finite number (e.g. 1e-6)")
     _check_same_schedule(algorithms)
@@ -175,6 +208,7 @@ def compare(
     dist_steps: dict[str, list[float]] = {n: [] for n in names}
     dist_seconds: dict[str, list[float]] = {n: [] for n in names}
     progress = TaskProgress("compare", None, items=len(seeds) * len(algorithms))
+    mia_arrays: dict[str, list[Any]] = {}
     for s in seeds:
         seed_rows = _run_seed(
             s,
@@ -192,10 +226,13 @@ def compare(
             out,
             progress,
             replay,
+            mia_attack if mia else None,
+            mia_shadows,
         )
         for r in seed_rows:
             dist_steps[r["method"]].extend(r.pop("_z_steps"))
             dist_seconds[r["method"]].extend(r.pop("_z_seconds"))
+            mia_arrays.setdefault(r["method"], []).append(r.pop("_mia", None))
         rows.extend(seed_rows)
     progress.close()
     agg = aggregate(rows)
@@ -207,7 +244,12 @@ def compare(
         else "each method's configured rounds",
         "eps_alpha": eps_alpha,
     }
+    if mia and mia_attack == "calibrated":
+        meta["mia"] = write_mia_summary(out / "mia.json", mia_arrays, names[0], mia_bootstrap)
     write_tables(out, agg, rows, meta)
+    if meta.get("mia"):
+        with open(out / "compare.md", "a") as f:
+            f.write("\n" + mia_markdown(meta["mia"]) + "\n")
     plot_cost_distributions(out / "cost_distribution.png", dist_steps, dist_seconds)
     if wandb:
         _log_wandb(out, agg, rows, meta)
@@ -230,6 +272,8 @@ def _run_seed(
     out: Path,
     progress: TaskProgress,
     replay_mode: str = "measured",
+    mia_attack: str | None = "classifier",
+    mia_shadows: int = 4,
 ) -> list[dict[str, Any]]:
     """Fit and replay every method for one seed; the first method fixes the budget and the alphas.
 
@@ -241,13 +285,19 @@ def _run_seed(
     step_counts: list[int] | None = None
     ref_alpha: list[float] | None = None  # every client's alpha, from the first method's probe round
     fa_cost: float | None = None
+    shadows = None
     for i, template in enumerate(algorithms):
         how: dict[str, Any] = {"rule": "as configured", "rounds": getattr(template, "rounds", None)}
         alg = copy.deepcopy(template)
         if budget == "match" and i > 0:
             alg, how = match_budget(template, ref_budget, step_counts)
         replay = UnlearningReplay(
-            mode=replay_mode, clients=list(clients), seed=seed, mia=mia, plots=False, alphas=ref_alpha
+            mode=replay_mode,
+            clients=list(clients),
+            seed=seed,
+            mia=mia_attack == "classifier",
+            plots=False,
+            alphas=ref_alpha,
         )
         trainer = FederatedTrainer(
             algorithm=alg,
@@ -271,6 +321,14 @@ def _run_seed(
             ref_alpha = replay.alphas_used.tolist()
             if budget == "match":
                 how = {"rule": f"reference: fit spends C = {ref_budget} client-steps", "rounds": None}
+            if mia_attack == "calibrated":  # FedAvg shadows at FedAvg's rounds for this budget
+                shadow_rounds = max(1, round(ref_budget / max(sum(step_counts), 1)))
+                shadows = train_shadows(
+                    alg, trainer.module, trainer.datamodule, clients, mia_shadows, shadow_rounds, seed
+                )
+        mia_cal = None
+        if mia_attack == "calibrated":
+            mia_cal = calibrated_mia(alg, trainer, shadows, clients, seed, after=replay_mode == "measured")
         s = replay.summary or {}
         # every client's exact cost, predicted from the fitted state (the replay restored it)
         z_steps = [float(alg.predict_cost([c])) for c in range(k)]
@@ -290,16 +348,24 @@ def _run_seed(
             "M_e_latency": _me(z_latency, [ref_alpha[c] for c in range(k)], eps_alpha),
             "M_e_seconds": _me(z_sec, [ref_alpha[r["client"]] for r in measured], eps_alpha),
             "M_p": s.get("M_p"),
-            "mia_f1_before": s.get("mia_f1_before"),
-            "mia_f1_after": s.get("mia_f1_after"),
-            "mia_auc_before": s.get("mia_auc_before"),
-            "mia_auc_after": s.get("mia_auc_after"),
+            "mia_f1_before": s.get("mia_f1_before") if mia_cal is None else mia_cal["before"].f1,
+            "mia_f1_after": s.get("mia_f1_after") if mia_cal is None else _after(mia_cal, "f1"),
+            "mia_auc_before": s.get("mia_auc_before") if mia_cal is None else mia_cal["before"].auc,
+            "mia_auc_after": s.get("mia_auc_after") if mia_cal is None else _after(mia_cal, "auc"),
+            "mia_tpr_before": None if mia_cal is None else mia_cal["before"].tpr_at_1fpr,
+            "mia_tpr_after": None if mia_cal is None else _after(mia_cal, "tpr_at_1fpr"),
             "test_accuracy_after": s.get("test_accuracy_after_mean"),
             "budget_rule": how["rule"],
             "rounds": how.get("rounds"),
             "run_dir": str(trainer.run_dir),
             "_z_steps": z_steps,
             "_z_seconds": z_sec,
+            "_mia": mia_cal,
+            "num_clients": k,
+            "merge_rate": getattr(alg, "merge_rate", None),
+            "stages": len(getattr(alg, "records", []) or []) or None,
+            "leaving_together": len(clients),
+            "r2_steps": _r2(alg, clients),
         }
         if alg.name == "fedavg":
             fa_cost = row["client_steps"]

@@ -31,8 +31,11 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("mia_f1_after", "MIA F1 after (fraction)", r"F1 after"),
     ("mia_auc_before", "MIA AUC before (0.5: chance)", r"AUC before"),
     ("mia_auc_after", "MIA AUC after (0.5: chance)", r"AUC after"),
+    ("mia_tpr_before", "MIA TPR at 1% FPR before", r"TPR@1\% before"),
+    ("mia_tpr_after", "MIA TPR at 1% FPR after", r"TPR@1\% after"),
     ("test_accuracy_after", "test acc after (fraction)", r"acc after"),
     ("speedup_steps", "FA cost / cost (x, client-steps)", r"FA/\,cost"),
+    ("r2_steps", "r2: one by one / together (x, client-steps)", r"$r_2$"),
 )
 
 

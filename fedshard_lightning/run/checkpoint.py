@@ -109,9 +109,17 @@ def _checkpoint_is_stale(path: Path, params: dict[str, Tensor]) -> bool:
 
 
 def stale_files(run_dir: Path, params: dict[str, Tensor], device: torch.device) -> list[str]:
-    """The deployed files (``model.safetensors``, ``model.ckpt``) that differ from ``params`` or are missing."""
-    stale = ["model.safetensors"] if model_is_stale(run_dir / "model.safetensors", params, device) else []
-    return stale + ([CHECKPOINT] if _checkpoint_is_stale(run_dir / CHECKPOINT, params) else [])
+    """The deployed files (``model.safetensors``, ``model.ckpt``) that differ from ``params`` or are missing.
+
+    A symbolic link counts as stale: the deployed model is a file of the run, and a link would let a
+    file outside it (which anyone may change later) stand for the model. The atomic rewrite replaces
+    the link itself and leaves its target alone.
+    """
+    model, checkpoint = run_dir / "model.safetensors", run_dir / CHECKPOINT
+    stale = ["model.safetensors"] if model.is_symlink() or model_is_stale(model, params, device) else []
+    return stale + (
+        [CHECKPOINT] if checkpoint.is_symlink() or _checkpoint_is_stale(checkpoint, params) else []
+    )
 
 
 def resolved_config(config_yaml: str, module: Any) -> str:

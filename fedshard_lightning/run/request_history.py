@@ -35,36 +35,33 @@ def _number(version: Any) -> int:
     return int(head) if head.isdigit() else -1
 
 
-def recorded_requests(run_dir: Path) -> dict[int, dict[str, Any]]:
-    """Requests the run directory records outside the cache: ``number -> {clients, cache_version, where}``.
+def _record(entry: dict[str, Any], where: Path) -> dict[str, Any]:
+    return {
+        "clients": _clients(entry.get("clients")),
+        "cache_version": entry.get("cache_version"),
+        "where": str(where),
+    }
 
-    From the journal's ``committed`` lines and the per-request reports; damaged entries are skipped
-    (the cache's own log is checked against the manifest instead).
+
+def recorded_requests(run_dir: Path) -> list[tuple[int, dict[str, Any]]]:
+    """Requests the run directory records outside the cache: ``(number, {clients, cache_version, where})``.
+
+    From the journal's ``committed`` lines and the per-request reports, each on its own (a report
+    edited to name other clients disagrees with the cache even while the journal is intact); damaged
+    entries are skipped (the cache's own log is checked against the manifest instead).
     """
-    found: dict[int, dict[str, Any]] = {}
+    found: list[tuple[int, dict[str, Any]]] = []
     journal = Journal(run_dir)
     for number, entry in journal.committed_entries().items():
-        clients = _clients(entry.get("clients"))
-        if clients is not None:
-            found[number] = {
-                "clients": clients,
-                "cache_version": entry.get("cache_version"),
-                "where": str(journal.path),
-            }
+        found.append((number, _record(entry, journal.path)))
     folder = run_dir / "unlearning"
     if folder.is_dir():
         for sub in sorted(folder.iterdir()):
-            if not (sub.name.isdigit() and len(sub.name) == 4):
-                continue
-            report = read_json_object(sub / "report.json") or {}
-            clients = _clients(report.get("clients"))
-            if clients is not None and int(sub.name) not in found:
-                found[int(sub.name)] = {
-                    "clients": clients,
-                    "cache_version": report.get("cache_version"),
-                    "where": str(sub / "report.json"),
-                }
-    return found
+            if sub.name.isdigit() and len(sub.name) == 4:
+                found.append(
+                    (int(sub.name), _record(read_json_object(sub / "report.json") or {}, sub / "report.json"))
+                )
+    return [(number, record) for number, record in found if record["clients"] is not None]
 
 
 def check_history(run_dir: Path, cache: CacheReader, manifest: dict[str, Any] | None = None) -> None:
@@ -90,7 +87,7 @@ def check_history(run_dir: Path, cache: CacheReader, manifest: dict[str, Any] | 
                 f"{where}: its request log holds request {i} (clients {clients}) but its unlearned clients "
                 f"{sorted(unlearned)} miss them: the manifest was edited; {_FIX}"
             )
-    for number, record in sorted(recorded_requests(run_dir).items()):
+    for number, record in sorted(recorded_requests(run_dir), key=lambda r: (r[0], r[1]["where"])):
         clients, at = record["clients"], record["cache_version"]
         if number > len(log) or _clients(log[number - 1].get("clients")) != clients:
             raise CacheError(

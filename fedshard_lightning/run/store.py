@@ -46,11 +46,13 @@ def _differences(a: Any, b: Any, where: str) -> list[tuple[str, Any, Any]]:
 
 
 def first_difference(a: Any, b: Any) -> str:
-    """The setting where two fingerprint bodies differ, as ``path: A in the run, B now``.
+    """The setting where two fingerprint bodies differ, as ``path: A in the run, B now`` ('' when none).
 
     A readable setting (``data_settings.init_args.num_clients``) is named before a content hash.
     """
     diffs = _differences(a, b, "")
+    if not diffs:
+        return ""
     readable = [d for d in diffs if not (isinstance(d[1], str) and len(d[1]) >= 32 and d[1].isalnum())]
     where, x, y = (readable or diffs)[0]
     return f"{where}: {json.dumps(x)[:80]} in the run, {json.dumps(y)[:80]} now"
@@ -100,10 +102,9 @@ class RunStore:
             )
         was = self._recorded_body()
         if manifest.get("fingerprint") != self.fingerprint:
-            what = (
-                first_difference(was, self.body)
-                if was and self.body
-                else f"fingerprint {manifest.get('fingerprint')} != {self.fingerprint}"
+            # A manifest whose fingerprint alone was edited: cache/FINGERPRINT still matches the config.
+            what = (first_difference(was, self.body) if was and self.body else "") or (
+                f"fingerprint {manifest.get('fingerprint')} in the manifest, {self.fingerprint} for this config"
             )
             raise CacheError(
                 f"{self.cache.root} was made with another config or dataset ({what}); use the config that "

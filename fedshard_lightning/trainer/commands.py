@@ -4,8 +4,8 @@
 lock), repairing a stale or damaged ``model.safetensors`` from it; on a lone ``.safetensors`` file
 it evaluates that file after checking its hash, names, shapes and dtypes against the configured
 model. ``audit`` recomputes the model without
-every unlearned client and compares it with the current one; on a failure it adds the likely
-cause from the recorded numerical environment.
+every unlearned client, by the run's own engine and by an independent reference, and compares both
+with the current one; on a failure it adds the likely cause from the recorded numerical environment.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from fedshard_lightning.flcache.schema import schema_of
 from fedshard_lightning.loggers.run_loggers import finish_loggers, log_result
 from fedshard_lightning.run.deployed import load_model
 from fedshard_lightning.run.directory import check_real_folders, existing_run_dir, run_lock
+from fedshard_lightning.unlearning.reference import certify
 
 __all__ = ["run_audit", "run_test"]
 
@@ -66,15 +67,24 @@ def _test_metrics(trainer: Any, params: dict[str, Tensor], weights: Path) -> dic
     return metrics
 
 
-def run_audit(trainer: Any, tolerance: float) -> dict[str, Any]:
-    """``audit`` once the run is loaded: print the verdict; a failure names the likely cause.
+def run_audit(
+    trainer: Any, tolerance: float, reference: bool = True, reference_tolerance: float | None = None
+) -> dict[str, Any]:
+    """``audit`` once the run is loaded: print both checks and the verdict; a failure names the likely cause.
 
-    The result says whether it passed (``passed``); the CLI turns a failure into exit status 1.
+    The checks are :func:`~fedshard_lightning.unlearning.reference.certify`'s: bit-equality with the
+    run's own engine and the difference from the independent reference. The result says whether
+    both passed (``passed``); the CLI turns a failure into exit status 1.
     """
     call_hook(trainer.fabric, "on_audit_start", trainer)
-    result = trainer.algorithm.audit(tolerance)
+    result = certify(trainer.algorithm, tolerance, reference, reference_tolerance)
     call_hook(trainer.fabric, "on_audit_end", trainer, result=result)
-    if not result["passed"]:
+    if result["engine_passed"] and not result["passed"]:
+        result["lines"].append(
+            "likely cause: the engine replays its own model, but the independent reference trains another: "
+            "a fault in the engine's training or averaging, or a reference tolerance too tight for this dtype"
+        )
+    elif not result["passed"]:
         dtype = next(trainer.module.parameters()).dtype
         notes = list(trainer.numerics_notes)
         if dtype not in (torch.float32, torch.float64):  # the stacked step is invariant in these only
@@ -92,7 +102,13 @@ def run_audit(trainer: Any, tolerance: float) -> dict[str, Any]:
         result["lines"].append(f"likely cause: {cause}")
     for line in result["lines"]:
         trainer._print(line)
-    log_result(
-        trainer, {"audit/passed": float(result["passed"]), "audit/max_abs_diff": result["max_abs_diff"]}
-    )
+    row = {
+        "audit/passed": float(result["passed"]),
+        "audit/max_abs_diff": result["max_abs_diff"],
+        "audit/bit_equal": float(result["bit_equal"]),
+    }
+    if "reference_rel_diff" in result:
+        row["audit/reference_max_abs_diff"] = result["reference_max_abs_diff"]
+        row["audit/reference_rel_diff"] = result["reference_rel_diff"]
+    log_result(trainer, row)
     return result  # a failure is the CLI's exit status 1, never a SystemExit from a Python call

@@ -211,6 +211,10 @@ def run_fit(trainer: Any, run_dir: Path, resume: bool, exclude: list[int]) -> di
     alg, resumed, finished = trainer.algorithm, False, False
     if resume and trainer.store.cache.exists():
         manifest = trainer.store.restore(alg, trainer.device, trainer.vectorize)
+        # A CURRENT rolled back past a request would otherwise resume as a run never unlearned; the
+        # stages to come would extend a broken manifest chain without a word.
+        trainer.store.cache.history()
+        check_history(run_dir, trainer.store.cache, manifest)
         if trainer.store.requests:
             raise CacheError(
                 f"{trainer.store.cache.root}: this run has unlearning requests already; it cannot be resumed"
@@ -388,6 +392,7 @@ def load_run(trainer: Any, run_dir: Path) -> None:
             f"{run_dir} has no committed FLCache (cache/CURRENT); was fit interrupted before stage 1?"
         )
     manifest = trainer.store.restore(trainer.algorithm, trainer.device, trainer.vectorize)
+    trainer.store.cache.history()  # every older manifest there and unchanged: unlearn builds on the chain
     check_history(run_dir, trainer.store.cache, manifest)  # before the model file is written from it
     reproduce_numerics(trainer, run_dir)
     if not manifest.get("complete"):
@@ -403,8 +408,8 @@ def load_run(trainer: Any, run_dir: Path) -> None:
     if stale:
         trainer._write_model(params)  # never silently: a reader learns that the file had drifted
         trainer._print(
-            f"note: {' and '.join(str(run_dir / n) for n in stale)} differed from the cache or was missing; "
-            "rewrote it from the cache"
+            f"note: {' and '.join(str(run_dir / n) for n in stale)} differed from the cache or was missing "
+            "(or was a symbolic link); rewrote it from the cache"
         )
     else:
         trainer._set_params(params)

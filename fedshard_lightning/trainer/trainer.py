@@ -27,7 +27,7 @@ from fedshard_lightning.callbacks import FederatedCallback, default_callbacks
 from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.engine.evaluate import Evaluator
 from fedshard_lightning.engine.grad_clip import grad_clip
-from fedshard_lightning.errors import FedShardError
+from fedshard_lightning.errors import ConfigError, FedShardError
 from fedshard_lightning.flcache.cache import FLCache
 from fedshard_lightning.loggers.run_loggers import next_log_step, run_loggers
 from fedshard_lightning.module import bind_model, param_dtype
@@ -412,22 +412,39 @@ class FederatedTrainer:
         datamodule: FederatedDataModule,
         ckpt_path: str,
         tolerance: float = 0.0,
+        reference: bool = True,
+        reference_tolerance: float | None = None,
     ) -> dict[str, Any]:
         """Certify exact unlearning: recompute the model without every unlearned client and compare.
+
+        Two recomputations: the run's own engine (must give the same bits) and an independent
+        reference (the per-client loop kernel with its own averaging; docs/unlearning.md).
 
         Args:
             model: The model (same config as the run).
             datamodule: The federated data (same config as the run).
             ckpt_path: Run directory created by fit (the CLI reads its config.yaml first).
-            tolerance: Largest accepted max-abs difference; 0 (bit-exact) by default, since the
-                engine is batch-invariant (docs/unlearning.md).
+            tolerance: Largest accepted max-abs difference from the engine's replay; 0 (bit-exact)
+                by default, since the engine is batch-invariant (docs/unlearning.md).
+            reference: Also train the independent reference (FedShard, FedAvg, FATS).
+            reference_tolerance: Largest accepted relative difference from the reference; null:
+                1e-9 in float64, 5e-2 in float32, 2e-1 in half precision.
 
         Returns:
-            The verdict: ``passed`` (False when the recomputed model differs; the CLI then exits
-            with status 1), ``max_abs_diff``, ``final_max_abs_diff`` and the printed ``lines``
+            The verdict: ``passed`` (False when either check fails; the CLI then exits with status
+            1), ``bit_equal``, ``max_abs_diff``, ``final_max_abs_diff``, ``dtype``,
+            ``reference_max_abs_diff``, ``reference_rel_diff`` and the printed ``lines``
             (FedShard adds ``shards``).
         """
         tolerance = check_tolerance(tolerance)
+        if reference_tolerance is not None:
+            try:
+                reference_tolerance = check_tolerance(reference_tolerance)
+            except ConfigError:
+                raise ConfigError(
+                    f"reference_tolerance={reference_tolerance!r}: must be a finite number >= 0, or null for the "
+                    "dtype's default"
+                ) from None
         with run_lock(existing_run_dir(ckpt_path, "audit")):
             self._load_run(model, datamodule, ckpt_path, "audit")
-            return run_audit(self, tolerance)
+            return run_audit(self, tolerance, bool(reference), reference_tolerance)

@@ -339,9 +339,11 @@ class Algorithm(RecordsInitArgs):
     def audit(self, tolerance: float) -> dict[str, Any]:
         """Certify exact unlearning: retrain from theta^0 without every unlearned client; compare.
 
-        The reference is an independent fit (``reset`` with the unlearned clients excluded, then
-        ``fit`` with silent events), not the unlearning code path. Methods that only approximate
-        retraining (``exact = False``) cannot be certified this way.
+        The replay is a second fit (``reset`` with the unlearned clients excluded, then ``fit`` with
+        silent events) by the method's own code, not the unlearning code path; it must give the
+        same bits. :func:`~.reference.certify` adds the independent reference
+        (:meth:`reference_params`) and the verdict line; ``summary`` is what that line says of this
+        check. Methods that only approximate retraining (``exact = False``) cannot be certified.
         """
         if not self.exact:
             raise ConfigError(f"trainer.algorithm: {self.name} does not support audit (it is not exact)")
@@ -356,12 +358,27 @@ class Algorithm(RecordsInitArgs):
             self.load_state_dict(saved)
         current = self.current_params()
         diff = max(float((current[k] - reference[k]).abs().max()) for k in current)
-        passed = diff <= tolerance
-        line = (
-            f"audit {'PASSED' if passed else 'FAILED'}: final model max|diff| = {diff:.3e} against a retraining "
-            f"from theta^0 without clients {self.unlearned}, tolerance {tolerance:.1e}; replay cost {steps} client-steps"
+        summary = (
+            f"final model max|diff| = {diff:.3e} against a retraining from theta^0 without clients "
+            f"{self.unlearned}, tolerance {tolerance:.1e}; replay cost {steps} client-steps"
         )
-        return {"passed": passed, "max_abs_diff": diff, "final_max_abs_diff": diff, "lines": [line]}
+        return {
+            "passed": diff <= tolerance,
+            "max_abs_diff": diff,
+            "final_max_abs_diff": diff,
+            "lines": [],
+            "summary": summary,
+        }
+
+    def reference_params(self) -> dict[str, Tensor] | None:
+        """The current model recomputed by :class:`~.reference.ReferenceReplay`, or None (no reference).
+
+        ``audit``'s independent check: the method's record (groups, initial models, rounds, the
+        clients that remain) trained by the per-client loop kernel and averaged by a plain mean,
+        none of the engine's drivers or aggregation. A method overrides it where its record
+        allows; a subclass that trains otherwise than its parent overrides it or returns None.
+        """
+        return None
 
     # -- to implement -----------------------------------------------------------------------------
     def fit(self) -> dict[str, Tensor]:

@@ -42,6 +42,7 @@ from fedshard_lightning.flcache.cache import FLCache
 from fedshard_lightning.unlearning.base import UnlearnResult
 from fedshard_lightning.unlearning.context import AlgorithmContext
 from fedshard_lightning.unlearning.fedavg import FedAvgRounds
+from fedshard_lightning.unlearning.reference import ReferenceReplay
 
 __all__ = ["FATS"]
 
@@ -204,6 +205,10 @@ class FATS(FedAvgRounds):
                 "first_participation": firsts,
             },
         )
+
+    def reference_params(self) -> dict[str, Tensor]:
+        """The independent reference: every round from theta^0 without the unlearned, its keyed sample."""
+        return ReferenceReplay(self.engine).rounds_as_stages(self.theta0, self.active_clients, self.rounds)
 
     # -- cache ------------------------------------------------------------------------------------
     def cache_files(

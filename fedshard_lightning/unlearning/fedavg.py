@@ -20,6 +20,7 @@ from fedshard_lightning.flcache.cache import FLCache
 from fedshard_lightning.limits import check_count
 from fedshard_lightning.unlearning.base import Algorithm, UnlearnResult
 from fedshard_lightning.unlearning.planner import Planner, PlanState, StagePlan
+from fedshard_lightning.unlearning.reference import ReferenceReplay
 
 __all__ = ["FedAvg", "FedAvgRounds"]
 
@@ -66,6 +67,11 @@ class FedAvg(Planner):
     def current_params(self, state: PlanState) -> dict[str, Tensor]:
         """The trained model."""
         return state.model
+
+    def reference_params(self) -> dict[str, Tensor]:
+        """The independent reference: one group of the remaining clients, ``rounds`` rounds from theta^0."""
+        group = Group(0, tuple(self.active_clients), self.rounds)
+        return ReferenceReplay(self.engine).fedavg(self.theta0, group, stage=0)
 
 
 class FedAvgRounds(Algorithm):
@@ -140,6 +146,11 @@ class FedAvgRounds(Algorithm):
         self.params = params
         self.unlearned = sorted({*self.unlearned, *clients})
         return UnlearnResult(params, steps, predicted, predicted, seconds)
+
+    def reference_params(self) -> dict[str, Tensor]:
+        """The independent reference: one group of the remaining clients, ``rounds`` rounds from theta^0."""
+        group = Group(0, tuple(self.active_clients), self.rounds)
+        return ReferenceReplay(self.engine).fedavg(self.theta0, group, stage=0)
 
     # -- cache ------------------------------------------------------------------------------------
     def cache_files(
