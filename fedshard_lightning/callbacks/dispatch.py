@@ -70,14 +70,14 @@ def _check_signature(
 ) -> None:
     """Name a hook whose parameters the call cannot fill (a renamed one), instead of a bare TypeError.
 
-    Hooks receive the trainer positionally and the rest by keyword, by name (as ``Fabric.call``
-    does): ``on_stage_end(self, trainer, stage, m)`` never gets ``m``. Only called once the hook
+    Hooks receive the run's view positionally and the rest by keyword, by name (as ``Fabric.call``
+    does): ``on_stage_end(self, run, stage, m)`` never gets ``m``. Only called once the hook
     raised, so the rounds pay nothing; a TypeError from inside the hook's body is left alone.
     """
     try:
         inspect.signature(method).bind(*args, **passed)
     except TypeError as e:
-        wanted = ", ".join(["trainer", *kwargs])
+        wanted = ", ".join(["run", *kwargs])
         raise ContractError(
             f"trainer.callbacks: {type(callback).__name__}.{hook} cannot take the hook's arguments ({e}); "
             f"name its parameters {wanted} (FederatedCallback.{hook}), or take **kwargs"

@@ -37,6 +37,7 @@ from torch import Tensor
 
 from fedshard_lightning.callbacks.base import FederatedCallback
 from fedshard_lightning.callbacks.task_progress import TaskProgress
+from fedshard_lightning.callbacks.view import RunView
 from fedshard_lightning.errors import ConfigError
 from fedshard_lightning.loggers.run_loggers import log_wandb_report
 from fedshard_lightning.metrics.client_alpha import client_alphas, per_client_accuracy
@@ -186,33 +187,33 @@ class FairnessLogger(FederatedCallback):
         self.result: FairnessResult | None = None
 
     # -- hooks -----------------------------------------------------------------------------------
-    def on_fit_end(self, trainer: Any, metrics: dict[str, float]) -> None:
+    def on_fit_end(self, run: RunView, metrics: dict[str, float]) -> None:
         """Evaluate the fitted run; logged at the step of the ``final/`` row."""
         steps, seconds = metrics.get("client_steps"), metrics.get("seconds")
         if steps and seconds:
             self._rate = float(steps) / float(seconds)
-        self.result = self.evaluate(trainer)
-        self._log(trainer, trainer.log_step_start + len(trainer.history))
+        self.result = self.evaluate(run)
+        self._log(run, run.log_step_start + len(run.history))
 
-    def on_unlearn_end(self, trainer: Any, report: dict[str, Any]) -> None:
+    def on_unlearn_end(self, run: RunView, report: dict[str, Any]) -> None:
         """Evaluate the clients that remain; logged at the request's step."""
         if self._rate is None:  # the fit ran in another process: its speed is in RUN/metrics.json
             try:
-                fit = json.loads((Path(trainer.run_dir) / "metrics.json").read_text())
+                fit = json.loads((Path(run.run_dir) / "metrics.json").read_text())
                 self._rate = float(fit["client_steps"]) / float(fit["seconds"])
             except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
                 self._rate = None
-        self.result = self.evaluate(trainer)
-        self._log(trainer, trainer.log_step_start)
+        self.result = self.evaluate(run)
+        self._log(run, run.log_step_start)
 
     # -- evaluation ------------------------------------------------------------------------------
-    def evaluate(self, trainer: Any) -> FairnessResult:
+    def evaluate(self, run: RunView) -> FairnessResult:
         """Alphas, predicted costs, M_e and (within budget) M_p of the present clients.
 
         Every process computes it (the replay's retraining is distributed like any other); only
         the first one prints and logs.
         """
-        alg = trainer.algorithm
+        alg = run.algorithm
         clients = list(alg.active_clients)
         reference = {n: v.detach().clone() for n, v in alg.current_params().items()}
         alphas = (
@@ -229,37 +230,37 @@ class FairnessLogger(FederatedCallback):
         budget = self.replay_budget * float(alg.total_client_steps)
         m_p, per_request = None, {}
         if len(clients) < 2:
-            self._say(trainer, "fairness: M_p skipped: it needs two clients or more")
+            self._say(run, "fairness: M_p skipped: it needs two clients or more")
         elif replay > budget:
             self._say(
-                trainer,
+                run,
                 f"fairness: M_p skipped: replaying {len(clients)} single-client requests would take "
                 f"{replay:,.0f} client-steps ({_times(replay, alg)} the fit's), over "
                 f"FairnessLogger.replay_budget={self.replay_budget:g}",
             )
         elif self.replay_budget_s is not None and self._rate and replay / self._rate > self.replay_budget_s:
             self._say(
-                trainer,
+                run,
                 f"fairness: M_p skipped: replaying {len(clients)} single-client requests would take "
                 f"about {replay / self._rate:,.0f} s at the fit's {self._rate:,.1f} client-steps/s, over "
                 f"FairnessLogger.replay_budget_s={self.replay_budget_s:g} (raise it to measure M_p)",
             )
         else:
             self._say(
-                trainer,
+                run,
                 f"fairness: M_p replays {len(clients)} single-client requests: {replay:,.0f} client-steps "
                 f"predicted ({_times(replay, alg)} the fit's; FairnessLogger.replay_budget={self.replay_budget:g})",
             )
-            per_request = self._replay(trainer, clients, alphas, replay)
+            per_request = self._replay(run, clients, alphas, replay)
             m_p = sum(per_request.values()) / len(per_request)
         return FairnessResult(clients, alphas.tolist(), costs, m_e, replay, budget, m_p, per_request)
 
-    def _replay(self, trainer: Any, clients: list[int], alphas: Tensor, total: float) -> dict[int, float]:
+    def _replay(self, run: RunView, clients: list[int], alphas: Tensor, total: float) -> dict[int, float]:
         """M_p of every single-client request among ``clients``, from the current state (nothing is committed)."""
-        alg, module, dm = trainer.algorithm, trainer.module, trainer.datamodule
+        alg, module, dm = run.algorithm, run.module, run.datamodule
         state = alg.state_dict()
         before = per_client_accuracy(module, alg.current_params(), dm)[clients]
-        shown = trainer.is_global_zero and getattr(trainer, "enable_progress_bar", False)
+        shown = run.is_global_zero and run.show_progress
         progress = TaskProgress("fairness", total) if shown else None
         out: dict[int, float] = {}
         for i, c in enumerate(clients):
@@ -277,13 +278,12 @@ class FairnessLogger(FederatedCallback):
 
     # -- output ----------------------------------------------------------------------------------
     @staticmethod
-    def _say(trainer: Any, line: str) -> None:
-        if trainer.is_global_zero:
-            print(line, flush=True)
+    def _say(run: RunView, line: str) -> None:
+        run.print(line)
 
-    def _log(self, trainer: Any, step: int) -> None:
+    def _log(self, run: RunView, step: int) -> None:
         result = self.result
-        if result is None or not trainer.is_global_zero:
+        if result is None or not run.is_global_zero:
             return
         scalars = result.scalars()
         summary: dict[str, Any] = {k.removeprefix("fairness/"): v for k, v in scalars.items()}
@@ -291,15 +291,15 @@ class FairnessLogger(FederatedCallback):
             summary["M_p"] = "skipped"
         # The table and histograms join the scalars' W&B row: one W&B row per CSV row, as every logged row.
         log_wandb_report(
-            trainer.fabric.loggers,
+            run.loggers,
             "fairness",
-            {"clients": result.table(trainer.client_sizes)},
+            {"clients": result.table(run.client_sizes)},
             {},
             summary,
             histograms={f"Z_{name}": values for name, values in result.costs.items()},
             commit=False,
         )
-        trainer.fabric.log_dict(scalars, step=step)
+        run.log(scalars, step=step)
 
 
 def _times(client_steps: float, alg: Any) -> str:

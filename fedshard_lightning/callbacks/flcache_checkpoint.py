@@ -9,9 +9,8 @@ the new version against its SHA-256 (``verify``), and keeps the models of only t
 
 from __future__ import annotations
 
-from typing import Any
-
 from fedshard_lightning.callbacks.base import FederatedCallback
+from fedshard_lightning.callbacks.view import RunView
 from fedshard_lightning.errors import ConfigError
 
 __all__ = ["FLCacheCheckpoint"]
@@ -38,10 +37,10 @@ class FLCacheCheckpoint(FederatedCallback):
         self.verify = bool(verify)
         self.commits: list[str] = []
 
-    def on_commit(self, trainer: Any, version: str, label: str) -> None:
+    def on_commit(self, run: RunView, version: str, label: str) -> None:
         """Verify the new version, then prune the models of versions older than the ``keep_last`` newest."""
         self.commits.append(version)
-        cache = trainer.cache
+        cache = run.cache
         if self.verify:
             cache.verify(version)
         if self.keep_last is not None:

@@ -1,6 +1,6 @@
 """Sends per-round, per-stage and per-request metrics to the Fabric loggers (CSV, W&B, ...).
 
-The global step runs through all stages and continues after a resumed fit (the trainer's
+The global step runs through all stages and continues after a resumed fit (the run's
 ``log_step_start``), so one run's curves line up in every logger; an unlearning request is one row
 after the run's last step, prefixed ``unlearn/``.
 
@@ -16,8 +16,9 @@ import time
 from typing import Any
 
 from fedshard_lightning.callbacks.base import FederatedCallback
+from fedshard_lightning.callbacks.view import RunView
 
-__all__ = ["MetricsLogger", "log_request"]
+__all__ = ["MetricsLogger", "request_row"]
 
 
 class MetricsLogger(FederatedCallback):
@@ -32,51 +33,41 @@ class MetricsLogger(FederatedCallback):
         self.flush_every_s = float(flush_every_s)
         self._flushed = time.perf_counter()
 
-    @staticmethod
-    def flush(trainer: Any) -> None:
-        """Write what the loggers hold (the CSV file's new rows)."""
-        for logger in trainer.fabric.loggers:
-            logger.save()
-
-    def on_fit_start(self, trainer: Any) -> None:
+    def on_fit_start(self, run: RunView) -> None:
         """Start the global round counter (after the rounds a resumed fit kept)."""
-        self.step = int(getattr(trainer, "log_step_start", 0))
+        self.step = run.log_step_start
         self._flushed = time.perf_counter()
 
-    def on_round_end(self, trainer: Any, info: Any, metrics: dict[str, float]) -> None:
+    def on_round_end(self, run: RunView, info: Any, metrics: dict[str, float]) -> None:
         """One logger row per round; the files are written at most every ``flush_every_s``."""
-        trainer.fabric.log_dict(
-            {k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=self.step
-        )
+        run.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=self.step)
         self.step += 1
         if time.perf_counter() - self._flushed >= self.flush_every_s:
-            self.flush(trainer)
+            run.writer.flush()
             self._flushed = time.perf_counter()
 
-    def on_stage_end(self, trainer: Any, stage: int, metrics: dict[str, float]) -> None:
+    def on_stage_end(self, run: RunView, stage: int, metrics: dict[str, float]) -> None:
         """Stage summary, prefixed ``stage/``."""
         row = {f"stage/{k}": v for k, v in metrics.items()}
         row["stage/stage"] = float(stage)  # marks a committed stage (a resumed fit keeps rows up to it)
-        trainer.fabric.log_dict(row, step=max(self.step - 1, 0))
-        self.flush(trainer)
+        run.log(row, step=max(self.step - 1, 0))
+        run.writer.flush()
         self._flushed = time.perf_counter()
 
-    def on_fit_end(self, trainer: Any, metrics: dict[str, float]) -> None:
+    def on_fit_end(self, run: RunView, metrics: dict[str, float]) -> None:
         """Final metrics, prefixed ``final/``."""
-        trainer.fabric.log_dict(
-            {f"final/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}, step=self.step
-        )
+        run.log({f"final/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}, step=self.step)
 
-    def on_unlearn_end(self, trainer: Any, report: dict[str, Any]) -> None:
+    def on_unlearn_end(self, run: RunView, report: dict[str, Any]) -> None:
         """The request's costs and accuracies, prefixed ``unlearn/``, one step after the run's last."""
-        log_request(trainer, report)
+        run.log(request_row(report), step=run.log_step_start)
 
 
-def log_request(trainer: Any, report: dict[str, Any]) -> None:
-    """One request's row (``unlearn/...``) at the trainer's ``log_step_start``."""
+def request_row(report: dict[str, Any]) -> dict[str, float]:
+    """One request's row (``unlearn/...``): its numbers, the clients removed, the shards retrained."""
     row = {f"unlearn/{k}": float(v) for k, v in report.items() if isinstance(v, (int, float))}
     row["unlearn/num_clients_removed"] = float(len(report.get("clients", [])))
     for key in ("retrained_shards",):
         if isinstance(report.get(key), (list, tuple)):
             row[f"unlearn/{key}_count"] = float(len(report[key]))
-    trainer.fabric.log_dict(row, step=int(getattr(trainer, "log_step_start", 0)))
+    return row

@@ -21,6 +21,7 @@ from typing import Any
 
 from fedshard_lightning.callbacks.base import FederatedCallback
 from fedshard_lightning.callbacks.line_fit import fit_line
+from fedshard_lightning.callbacks.view import RunView
 
 __all__ = ["ProgressBar", "format_seconds"]
 
@@ -132,14 +133,14 @@ class ProgressBar(FederatedCallback):
         self._progress.update(self._task, description=self.live_line(width, status), **fields)
 
     # -- hooks -----------------------------------------------------------------------------------
-    def on_fit_start(self, trainer: Any) -> None:
+    def on_fit_start(self, run: RunView) -> None:
         """Start the clock; learn P from the algorithm when it plans its stages."""
         self._t0 = self._stage_t0 = self._printed = time.perf_counter()
         self._stages_done, self._steps = 0, 0.0
-        planned = getattr(trainer.algorithm, "planned_stages", None)
+        planned = getattr(run.algorithm, "planned_stages", None)
         self._planned = planned if isinstance(planned, int) and planned > 0 else None
 
-    def on_stage_start(self, trainer: Any, stage: int, groups: Any) -> None:
+    def on_stage_start(self, run: RunView, stage: int, groups: Any) -> None:
         """A new stage: its rounds and clients; open the live display on the first."""
         self._stage, self._round = stage, 0
         self._stage_t0 = time.perf_counter()
@@ -147,7 +148,7 @@ class ProgressBar(FederatedCallback):
         self._rounds = max((g.rounds for g in groups), default=0)
         self._groups = len(groups)
         self._clients = sum(len(g.clients) for g in groups)
-        if not trainer.is_global_zero or not self._live():
+        if not run.is_global_zero or not self._live():
             return
         if self._progress is None:
             from rich.console import Console
@@ -160,7 +161,7 @@ class ProgressBar(FederatedCallback):
             self._task = self._progress.add_task("", total=None)
         self._show(total=self._rounds, completed=0)
 
-    def on_round_end(self, trainer: Any, info: Any, metrics: dict[str, float]) -> None:
+    def on_round_end(self, run: RunView, info: Any, metrics: dict[str, float]) -> None:
         """Advance: the round, the throughput and the ETA, with the loss and accuracy."""
         self._round = int(info.round) + 1
         self._steps = float(metrics.get("client_steps", self._steps))
@@ -168,7 +169,7 @@ class ProgressBar(FederatedCallback):
         if (
             self._round < self._rounds
             and now - self._printed >= self.plain_every_s
-            and trainer.is_global_zero
+            and run.is_global_zero
             and (self.plain or not self._live())
         ):
             self._printed = now
@@ -184,12 +185,12 @@ class ProgressBar(FederatedCallback):
         )
         self._show(status, completed=self._round)
 
-    def on_stage_end(self, trainer: Any, stage: int, metrics: dict[str, float]) -> None:
+    def on_stage_end(self, run: RunView, stage: int, metrics: dict[str, float]) -> None:
         """Count the stage; off a terminal print its line (with elapsed time and ETA)."""
         self._stages_done += 1
         self._stage_t0 = time.perf_counter()
         self._round = self._rounds
-        if trainer.is_global_zero and (self.plain or not self._live()):
+        if run.is_global_zero and (self.plain or not self._live()):
             self._printed = self._stage_t0
             eta = self.eta()
             acc = metrics.get("test_accuracy")
@@ -202,7 +203,7 @@ class ProgressBar(FederatedCallback):
                 flush=True,
             )
 
-    def on_fit_end(self, trainer: Any, metrics: dict[str, float]) -> None:
+    def on_fit_end(self, run: RunView, metrics: dict[str, float]) -> None:
         """Stop the live display."""
         if self._progress is not None:
             self._progress.stop()

@@ -39,7 +39,7 @@ cascade and poisoning experiments use; the plots from :mod:`fedshard_lightning.c
 ``mia_f1_after`` / ``mia_auc_after`` pool, over the measured requests, the model after
 unlearning ``c`` on ``c``'s data (AUC 0.5: the attack has no power, whatever its threshold).
 
-Files written into ``trainer.run_dir/fairness/``: ``clients.csv``, ``summary.json``,
+Files written into ``RUN/fairness/``: ``clients.csv``, ``summary.json``,
 ``cost_distribution.png``, ``round_accuracy.png``.
 """
 
@@ -62,6 +62,7 @@ from torch import Tensor
 from fedshard_lightning.callbacks.base import FederatedCallback
 from fedshard_lightning.callbacks.plots import plot_cost_distribution, plot_round_accuracy
 from fedshard_lightning.callbacks.task_progress import TaskProgress
+from fedshard_lightning.callbacks.view import RunView
 from fedshard_lightning.errors import ConfigError
 from fedshard_lightning.loggers.run_loggers import log_wandb_report
 from fedshard_lightning.metrics.client_alpha import checked_alphas, client_alphas, per_client_accuracy
@@ -187,11 +188,11 @@ class UnlearningReplay(FederatedCallback):
         self.rows: list[dict[str, Any]] = []
 
     # -- hook ------------------------------------------------------------------------------------
-    def on_fit_end(self, trainer: Any, metrics: dict[str, float]) -> None:
+    def on_fit_end(self, run: RunView, metrics: dict[str, float]) -> None:
         """Replay, write the files and report (rank zero only)."""
-        if not trainer.is_global_zero:
+        if not run.is_global_zero:
             return
-        self.run(trainer, metrics)
+        self.run(run, metrics)
 
     # -- the replay ------------------------------------------------------------------------------
     def _population(self, alg: Any) -> list[int]:
@@ -210,10 +211,10 @@ class UnlearningReplay(FederatedCallback):
         rng = np.random.default_rng(self.seed)
         return sorted(int(c) for c in rng.choice(population, size=self.sample, replace=False))
 
-    def run(self, trainer: Any, metrics: dict[str, Any] | None = None) -> dict[str, Any]:
+    def run(self, view: RunView, metrics: dict[str, Any] | None = None) -> dict[str, Any]:
         """Compute everything, write ``run_dir/fairness/*`` and log; returns the summary."""
         t_start = time.perf_counter()
-        alg, dm, module = trainer.algorithm, trainer.datamodule, trainer.module
+        alg, dm, module = view.algorithm, view.datamodule, view.module
         k = alg.num_clients
         population = self._population(alg)
         chosen = self._sampled(population)
@@ -242,7 +243,7 @@ class UnlearningReplay(FederatedCallback):
             audit = MembershipAudit(module, dm, reference, chosen, self.seed, self.mia_classifier)
         f1_before, auc_before = audit.scores(reference) if audit is not None else (None, None)
 
-        m = self._measure(trainer, chosen, acc_before, alphas, audit, split) if measured else _Measured()
+        m = self._measure(view, chosen, acc_before, alphas, audit, split) if measured else _Measured()
         z_steps, z_sec, acc_after, mp_request = m.z_steps, m.z_sec, m.acc_after, m.mp_request
         has_after = audit is not None and m.after_logits
         f1_after, auc_after = audit.pooled_scores(m.after_logits) if has_after else (None, None)
@@ -324,16 +325,16 @@ class UnlearningReplay(FederatedCallback):
         }
         summary["replay_seconds"] = time.perf_counter() - t_start
         self.summary = json_safe(summary)
-        self._write(trainer)
+        self._write(view)
         return self.summary
 
     def _measure(
-        self, trainer: Any, chosen: list[int], acc_before: Tensor, alphas: Tensor, audit: Any, split: str
+        self, run: RunView, chosen: list[int], acc_before: Tensor, alphas: Tensor, audit: Any, split: str
     ) -> _Measured:
         """Unlearn every chosen client alone with ``what_if`` from the fitted state (progress in client-steps)."""
-        alg, module, dm = trainer.algorithm, trainer.module, trainer.datamodule
+        alg, module, dm = run.algorithm, run.module, run.datamodule
         out, fitted = _Measured(), alg.state_dict()
-        shown = trainer.is_global_zero and getattr(trainer, "enable_progress_bar", False)
+        shown = run.is_global_zero and run.show_progress
         progress = TaskProgress("replay", sum(alg.predict_cost([c]) for c in chosen)) if shown else None
         for i, c in enumerate(chosen, start=1):
             _, res = alg.what_if(fitted, [c])
@@ -348,7 +349,7 @@ class UnlearningReplay(FederatedCallback):
                 out.drop_remaining.append(report["remaining"]["mean"] or 0.0)
             if audit is not None:
                 out.after_logits.append(audit.logits(res.params, [c]))
-            out.test_after.append(trainer.evaluate(res.params)[0])
+            out.test_after.append(run.evaluate(res.params)[0])
         if progress is not None:
             progress.close()
         return out
@@ -362,10 +363,10 @@ class UnlearningReplay(FederatedCallback):
         )
 
     # -- output ----------------------------------------------------------------------------------
-    def _write(self, trainer: Any) -> None:
-        if trainer.run_dir is None:
+    def _write(self, run: RunView) -> None:
+        if run.run_dir is None:
             return
-        out = Path(trainer.run_dir) / "fairness"
+        out = Path(run.run_dir) / "fairness"
         out.mkdir(parents=True, exist_ok=True)
         with open(out / "clients.csv", "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(CLIENT_COLUMNS))
@@ -382,7 +383,7 @@ class UnlearningReplay(FederatedCallback):
             if secs:
                 costs["seconds"] = secs
             alpha_rows = [r for r in self.rows if r["measured"] or self.mode == "predicted"]
-            name = f"{trainer.algorithm.name}, {self.mode}"
+            name = f"{run.algorithm.name}, {self.mode}"
             plots["cost_distribution"] = plot_cost_distribution(
                 costs,
                 out / "cost_distribution.png",
@@ -391,20 +392,20 @@ class UnlearningReplay(FederatedCallback):
                 title=f"Unlearning cost per client ({name})",
             )
             plots["round_accuracy"] = plot_round_accuracy(
-                trainer.history, out / "round_accuracy.png", title=f"Global model accuracy ({name})"
+                run.history, out / "round_accuracy.png", title=f"Global model accuracy ({name})"
             )
-        self._log(trainer, plots)
+        self._log(run, plots)
 
-    def _log(self, trainer: Any, plots: dict[str, Path]) -> None:
+    def _log(self, run: RunView, plots: dict[str, Path]) -> None:
         scalars = {
             f"fairness/{k}": float(v)
             for k, v in self.summary.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool)
         }
-        trainer.fabric.log_dict(scalars, step=len(trainer.history))
+        run.log(scalars, step=len(run.history))
         table = [[row[c] for c in CLIENT_COLUMNS] for row in self.rows]
         log_wandb_report(
-            trainer.fabric.loggers,
+            run.loggers,
             "fairness",
             {"clients": (CLIENT_COLUMNS, table)},
             plots,

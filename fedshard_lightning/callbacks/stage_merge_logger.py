@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from fedshard_lightning.callbacks.base import FederatedCallback
+from fedshard_lightning.callbacks.view import RunView
 
 __all__ = ["StageMergeLogger"]
 
@@ -33,12 +34,12 @@ class StageMergeLogger(FederatedCallback):
         self.filename = filename
         self.records: list[dict[str, Any]] = []
 
-    def on_fit_start(self, trainer: Any) -> None:
+    def on_fit_start(self, run: RunView) -> None:
         """Forget the records of an earlier fit."""
         self.records = []
 
     def on_stage_merge(
-        self, trainer: Any, stage: int, groups: Sequence[Sequence[int]], alphas: Any, rounds: Any
+        self, run: RunView, stage: int, groups: Sequence[Sequence[int]], alphas: Any, rounds: Any
     ) -> None:
         """Record one merge decision."""
         alpha_list = [float(a) for a in (alphas.tolist() if hasattr(alphas, "tolist") else alphas)]
@@ -47,7 +48,7 @@ class StageMergeLogger(FederatedCallback):
         group_alpha = [
             (sum(alpha_list[c] for c in g) / len(g)) if g and alpha_list else 0.0 for g in grouping
         ]
-        clients = self._clients(trainer, stage, len(grouping))
+        clients = self._clients(run.algorithm, stage, len(grouping))
         record = {
             "stage": int(stage),
             "groups": grouping,
@@ -70,16 +71,16 @@ class StageMergeLogger(FederatedCallback):
                 sum(abs(a) for a in group_alpha) / len(group_alpha) if group_alpha else 0.0
             ),
         }
-        if not trainer.is_global_zero:
+        if not run.is_global_zero:
             return
-        if trainer.run_dir is not None:
-            with open(trainer.run_dir / self.filename, "a") as f:
+        if run.run_dir is not None:
+            with open(run.run_dir / self.filename, "a") as f:
                 f.write(json.dumps(record, allow_nan=False, default=_finite) + "\n")
-        trainer.fabric.log_dict(scalars, step=len(trainer.history))
+        run.log(scalars, step=len(run.history))
 
     @staticmethod
-    def _clients(trainer: Any, stage: int, n: int) -> list[list[int]] | None:
-        tree = getattr(trainer.algorithm, "tree", None)
+    def _clients(algorithm: Any, stage: int, n: int) -> list[list[int]] | None:
+        tree = getattr(algorithm, "tree", None)
         if tree is None:
             return None
         try:

@@ -18,6 +18,7 @@ from typing import Any
 from fedshard_lightning.callbacks.base import FederatedCallback
 from fedshard_lightning.callbacks.line_fit import fit_line
 from fedshard_lightning.callbacks.progress import format_rate, format_seconds
+from fedshard_lightning.callbacks.view import RunView
 
 __all__ = ["TaskProgress", "TaskProgressCallback"]
 
@@ -163,8 +164,8 @@ class TaskProgressCallback(FederatedCallback):
         self.live, self.plain = live, plain
         self.progress: TaskProgress | None = None
 
-    def _start(self, trainer: Any, task: str, total: float | None) -> None:
-        if trainer.is_global_zero:
+    def _start(self, run: RunView, task: str, total: float | None) -> None:
+        if run.is_global_zero:
             self.progress = TaskProgress(task, total, self.live, self.plain)
 
     def _stop(self) -> None:
@@ -172,30 +173,30 @@ class TaskProgressCallback(FederatedCallback):
             self.progress.close()
             self.progress = None
 
-    def on_unlearn_start(self, trainer: Any, clients: list[int]) -> None:
+    def on_unlearn_start(self, run: RunView, clients: list[int]) -> None:
         """Total: the request's predicted client-steps."""
-        self._start(trainer, "unlearn", trainer.algorithm.predict_cost(clients))
+        self._start(run, "unlearn", run.algorithm.predict_cost(clients))
 
-    def on_audit_start(self, trainer: Any) -> None:
+    def on_audit_start(self, run: RunView) -> None:
         """Total: retraining without the unlearned clients (what the audit's replay costs)."""
-        alg = trainer.algorithm
+        alg = run.algorithm
         try:
             total = alg.retrain_cost([])
         except NotImplementedError:
             total = getattr(alg, "total_client_steps", None)
-        self._start(trainer, "audit", total)
+        self._start(run, "audit", total)
 
-    def on_groups_trained(self, trainer: Any, stage: int, groups: Any, client_steps: int) -> None:
+    def on_groups_trained(self, run: RunView, stage: int, groups: Any, client_steps: int) -> None:
         """One engine call of the retraining finished."""
         if self.progress is not None:
-            alg = trainer.algorithm
+            alg = run.algorithm
             per_round = not isinstance(getattr(alg, "planned_stages", None), int)
             self.progress.update(client_steps, _where(alg, stage, groups), force=not per_round)
 
-    def on_unlearn_end(self, trainer: Any, report: dict[str, Any]) -> None:
+    def on_unlearn_end(self, run: RunView, report: dict[str, Any]) -> None:
         """Close the line."""
         self._stop()
 
-    def on_audit_end(self, trainer: Any, result: dict[str, Any]) -> None:
+    def on_audit_end(self, run: RunView, result: dict[str, Any]) -> None:
         """Close the line."""
         self._stop()

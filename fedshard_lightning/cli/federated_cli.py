@@ -313,9 +313,9 @@ class FederatedCLI(LightningCLI):
         trainer = self.trainer_class(**config, **kwargs)
         sub = self.subcommand
         if sub is None:  # run=False: the config was parsed without a subcommand
-            trainer.config_yaml = self.parser.dump(self.config)
+            trainer.record_config(self.parser.dump(self.config))
         else:
-            trainer.config_yaml = self._subcommand_parsers[sub].dump(self.config[sub])
+            trainer.record_config(self._subcommand_parsers[sub].dump(self.config[sub]))
         return trainer
 
 

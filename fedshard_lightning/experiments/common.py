@@ -14,7 +14,7 @@ import copy
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning as L
 import torch
@@ -25,6 +25,9 @@ from fedshard_lightning.errors import ConfigError
 from fedshard_lightning.metrics.client_alpha import client_alphas, per_client_accuracy
 from fedshard_lightning.metrics.fairness_report import fairness_report, json_safe
 from fedshard_lightning.unlearning.base import Algorithm
+
+if TYPE_CHECKING:
+    from fedshard_lightning.trainer.trainer import FederatedTrainer
 
 __all__ = [
     "ExperimentSetting",
@@ -173,7 +176,7 @@ class ExperimentSetting:
 class MethodRun:
     """One method trained on the setting: its trainer, the fitted state and its per-client accuracy."""
 
-    trainer: Any
+    trainer: FederatedTrainer
     algorithm: Algorithm
     params: dict[str, Tensor]
     acc: Tensor

@@ -21,9 +21,9 @@ import csv
 import json
 import os
 import secrets
-import shutil
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,14 +40,16 @@ from fedshard_lightning.loggers.wandb_segments import (
 )
 
 __all__ = [
+    "LoggerSettings",
+    "OpenedLoggers",
     "finish_loggers",
-    "log_result",
+    "holds_rows",
     "log_wandb_report",
     "logged_requests",
     "next_log_step",
+    "open_loggers",
     "restore_csv_history",
     "run_hparams",
-    "run_loggers",
     "run_name",
     "setting_name",
     "tensorboard_logger",
@@ -68,23 +70,34 @@ def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
         out[prefix] = value
 
 
-def run_hparams(trainer: Any) -> dict[str, Any]:
-    """The settings a run is compared by: headline keys first, then every constructor argument, flat."""
-    model = init_args(trainer.module)
-    data = init_args(trainer.datamodule)
-    alg = init_args(trainer.algorithm)
+def run_hparams(
+    module: Any,
+    datamodule: Any,
+    algorithm: Any,
+    seed: int,
+    precision: str,
+    vectorize: str,
+    num_clients: int,
+) -> dict[str, Any]:
+    """The settings a run is compared by: headline keys first, then every constructor argument, flat.
+
+    ``num_clients`` stands in for K when the datamodule's recorded arguments do not name it.
+    """
+    model = init_args(module)
+    data = init_args(datamodule)
+    alg = init_args(algorithm)
     dargs, aargs, margs = data["init_args"], alg["init_args"], model["init_args"]
     out: dict[str, Any] = {
-        "method": trainer.algorithm.name,
-        "dataset": dataset_name(trainer.datamodule),
-        "num_clients": dargs.get("num_clients", len(trainer.client_sizes)),
+        "method": algorithm.name,
+        "dataset": dataset_name(datamodule),
+        "num_clients": dargs.get("num_clients", num_clients),
         "partition": dargs.get("partition"),
         "rho": dargs.get("rho"),
         "merge_rate": aargs.get("merge_rate"),
         "lr": margs.get("lr"),
-        "seed": trainer.seed,
-        "precision": trainer.precision,
-        "vectorize": trainer.vectorize,
+        "seed": seed,
+        "precision": precision,
+        "vectorize": vectorize,
         "model": model["class_path"].rsplit(".", 1)[-1],
     }
     for name, entry in (("model", model), ("data", data), ("algorithm", alg)):
@@ -144,14 +157,14 @@ def logged_requests(run_dir: Path) -> set[int]:
     return set(_ints(_csv_rows(run_dir), "unlearn/request"))
 
 
-def _wandb_logger(run_dir: Path, trainer: Any, hparams: dict[str, Any]) -> Logger:
+def _wandb_logger(run_dir: Path, settings: LoggerSettings, hparams: dict[str, Any]) -> Logger:
     from lightning.pytorch.loggers import WandbLogger
 
     wdir = run_dir / "wandb_files"
     wdir.mkdir(exist_ok=True)
     for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_CONFIG_DIR"):
         os.environ.setdefault(var, str(wdir))
-    os.environ.setdefault("WANDB_MODE", trainer.wandb_mode)
+    os.environ.setdefault("WANDB_MODE", settings.wandb_mode)
     os.environ.setdefault("WANDB_SILENT", "true")
     close_stale_run()
     state = wandb_state(run_dir)
@@ -160,21 +173,21 @@ def _wandb_logger(run_dir: Path, trainer: Any, hparams: dict[str, Any]) -> Logge
         state = {
             "id": secrets.token_hex(4),  # W&B run ids are short [a-z0-9] strings
             "name": name,
-            "project": trainer.wandb_project,
-            "group": trainer.wandb_group or setting_name(hparams),
+            "project": settings.wandb_project,
+            "group": settings.wandb_group or setting_name(hparams),
             "step": 0,
         }
         write_wandb_state(run_dir, state)
     remember_run(state["id"])
     logger = WandbLogger(
-        project=state.get("project", trainer.wandb_project),
+        project=state.get("project", settings.wandb_project),
         name=state["name"],
         id=state["id"],
         resume="allow",
         group=state["group"],
         job_type=hparams["method"],
         save_dir=str(wdir),
-        offline=trainer.wandb_mode == "offline",
+        offline=settings.wandb_mode == "offline",
         tags=[str(hparams["method"]), str(hparams["dataset"])],
     )
     # Lightning passes anonymous=None to wandb.init, which then warns on every run that the
@@ -242,7 +255,39 @@ def _free_segment(run_dir: Path, version: str) -> bool:
         return False
 
 
-def run_loggers(trainer: Any, run_dir: Path, command: str, resume: bool = False) -> list[Logger]:
+@dataclass(frozen=True)
+class LoggerSettings:
+    """Which loggers a run writes to, besides the CSV logger that every run has (the trainer's options)."""
+
+    wandb: bool = False
+    wandb_project: str = "fedshard-lightning"
+    wandb_mode: str = "offline"
+    wandb_group: str | None = None
+    tensorboard: bool = False
+    user_loggers: tuple[Logger, ...] = ()
+
+
+@dataclass(frozen=True)
+class OpenedLoggers:
+    """What :func:`open_loggers` made: the loggers, the rows a resumed fit found, its W&B logger.
+
+    Attributes:
+        loggers: CSV first, then W&B, TensorBoard and the user's.
+        csv_history: The rows of ``logs/metrics.csv`` when a fit resumes (else empty).
+        wandb_logger: The W&B logger, if any (a resumed fit may replay the CSV into it).
+        deferred: The W&B run is opened only once the resume is accepted
+            (:func:`~fedshard_lightning.loggers.wandb_resume.open_resumed_fit_run`).
+    """
+
+    loggers: list[Logger]
+    csv_history: list[dict[str, str]]
+    wandb_logger: Logger | None
+    deferred: bool
+
+
+def open_loggers(
+    run_dir: Path, command: str, resume: bool, hparams: dict[str, Any], settings: LoggerSettings
+) -> OpenedLoggers:
     """CSV into ``run_dir/logs``, W&B and TensorBoard when asked, the user's; each gets the run's hyper-parameters.
 
     ``fit`` writes ``logs/metrics.csv`` (a resumed fit appends to it, so the curves of the stages
@@ -251,7 +296,7 @@ def run_loggers(trainer: Any, run_dir: Path, command: str, resume: bool = False)
     stage end, every few seconds and when the run ends or stops, so a killed run keeps its curves.
     """
     logs = run_dir / "logs"
-    trainer.csv_history = _read_csv(logs / "metrics.csv") if command == "fit" and resume else []
+    csv_history = _read_csv(logs / "metrics.csv") if command == "fit" and resume else []
     version = ""
     if command != "fit" or ((logs / "metrics.csv").exists() and not resume):
         n = 1
@@ -261,25 +306,22 @@ def run_loggers(trainer: Any, run_dir: Path, command: str, resume: bool = False)
     loggers: list[Logger] = [
         CSVLogger(root_dir=str(run_dir), name="logs", version=version, flush_logs_every_n_steps=2**62)
     ]
-    hparams = run_hparams(trainer)
     wandb_logger = None
-    if trainer.wandb:
-        wandb_logger = _wandb_logger(run_dir, trainer, hparams)
+    if settings.wandb:
+        wandb_logger = _wandb_logger(run_dir, settings, hparams)
         loggers.append(wandb_logger)
-    trainer.wandb_logger = wandb_logger  # a resumed fit may replay the CSV into it (run_fit)
-    if getattr(trainer, "tensorboard", False):
-        purge = _resume_step(trainer.csv_history) if resume else None
+    if settings.tensorboard:
+        purge = _resume_step(csv_history) if resume else None
         loggers.append(tensorboard_logger(run_dir, version or "fit", purge))
-    loggers += trainer.user_loggers
+    loggers += settings.user_loggers
     # A resumed fit's W&B run opens once the resume is accepted (wandb_resume.open_resumed_fit_run).
     deferred = wandb_logger if command == "fit" and resume else None
-    trainer.wandb_deferred = deferred is not None
     for logger in (lg for lg in loggers if lg is not deferred):
         with contextlib.suppress(NotImplementedError):  # Fabric's CSVLogger: config.yaml holds them
             logger.log_hyperparams(hparams)
     if wandb_logger is not None and command == "fit" and deferred is None:
         record_fit_segment(run_dir, wandb_logger)
-    return loggers
+    return OpenedLoggers(loggers, csv_history, wandb_logger, deferred is not None)
 
 
 def _read_csv(path: Path) -> list[dict[str, str]]:
@@ -331,35 +373,7 @@ def restore_csv_history(loggers: Sequence[Logger], rows: list[dict[str, str]]) -
     return last + 1, rounds, steps
 
 
-def log_result(trainer: Any, row: dict[str, float]) -> None:
-    """``audit`` / ``test`` on a run: one row at the run's next step in every logger, then close them.
-
-    A read-only run (which ``test`` must be able to read) gets no row: nothing is written there.
-    A write that fails (disk full) leaves no partial file: the CSV folder this command started is
-    removed again, and the error names the file (``f.write`` raises ENOSPC without a name).
-    """
-    segments = [
-        Path(lg.log_dir)
-        for lg in trainer.fabric.loggers
-        if isinstance(lg, CSVLogger) and not _holds_rows(Path(lg.log_dir))
-    ]
-    step = trainer.log_step_start
-    try:
-        if os.access(trainer.run_dir, os.W_OK):
-            trainer.fabric.log_dict(row, step=step)
-            step += 1
-        finish_loggers(trainer.fabric.loggers, trainer.wandb, trainer.run_dir, step)
-    except OSError as e:
-        for folder in segments:
-            shutil.rmtree(folder, ignore_errors=True)
-        if e.filename is None and e.errno is not None and segments:
-            raise OSError(
-                e.errno, e.strerror or os.strerror(e.errno), str(segments[0] / "metrics.csv")
-            ) from None
-        raise
-
-
-def _holds_rows(folder: Path) -> bool:
+def holds_rows(folder: Path) -> bool:
     """Whether a CSV folder has files already (then it is not this command's to remove)."""
     try:
         return folder.is_dir() and any(folder.iterdir())

@@ -31,7 +31,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from fedshard_lightning.loggers.run_loggers import _resume_step, run_hparams
+from fedshard_lightning.loggers.run_loggers import _resume_step
 from fedshard_lightning.loggers.wandb_segments import (
     can_supersede,
     record_fit_segment,
@@ -54,26 +54,30 @@ def rewind_init_args(init: dict[str, Any], run_id: str, step: int) -> None:
     init["resume_from"] = f"{run_id}?_step={step}"
 
 
-def open_resumed_fit_run(trainer: Any, run_dir: Path, resumed: bool, finished: bool) -> bool:
-    """Open the W&B run of a fit started with ``ckpt_path``; whether the CSV's kept rows must be replayed into it.
+def open_resumed_fit_run(
+    logger: Any,
+    csv_history: list[dict[str, str]],
+    hparams: dict[str, Any],
+    run_dir: Path,
+    resumed: bool,
+    finished: bool,
+) -> tuple[bool, bool]:
+    """Open ``logger``'s W&B run for a fit started with ``ckpt_path``: (keep the logger, replay the CSV's kept rows into it).
 
     ``resumed``: the restored state is trained on (else the fit starts over and its W&B run is
-    resumed as before). ``finished``: the restored state was complete. Drops the W&B logger from
-    the fit's loggers when its run already holds every row.
+    resumed as before). ``finished``: the restored state was complete. The logger is not kept
+    when its run already holds every row.
     """
-    logger, trainer.wandb_deferred = trainer.wandb_logger, False
-    kept, next_step = committed_rows(trainer.csv_history)
+    kept, next_step = committed_rows(csv_history)
     state = wandb_state(run_dir)
     if resumed and finished and int(state.get("step", 0)) > next_step:  # its final row is there
-        trainer.fabric._loggers = [lg for lg in trainer.fabric._loggers if lg is not logger]
-        trainer.wandb_logger = None
-        return False
+        return False, False
     # No earlier fit segment uploaded (none, or offline ones not synced): the server has none of
     # its rows, so nothing can be rewound; the kept rows are replayed (online too) instead.
     replay = resumed and can_supersede(run_dir, [*state.get("fit_segments", [])])
     if resumed and not replay and kept > 0:
         rewind_init_args(logger._wandb_init, str(state["id"]), kept - 1)
-    logger.log_hyperparams(run_hparams(trainer))  # opens the run
+    logger.log_hyperparams(hparams)  # opens the run
     record_fit_segment(run_dir, logger)
     # The earlier segments are offline whatever this fit's mode: they leave the sync glob.
-    return replay and supersede_fit_segments(run_dir, "offline")
+    return True, replay and supersede_fit_segments(run_dir, "offline")

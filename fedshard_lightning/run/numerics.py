@@ -15,16 +15,27 @@ import functools
 import json
 import os
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+from torch import nn
 
 from fedshard_lightning.engine.allocator import configure_process, tf32_flags
 from fedshard_lightning.engine.blas import blas_mode
 from fedshard_lightning.flcache.io import atomic_write_json, read_json_object
+from fedshard_lightning.unlearning.base import Algorithm
 
-__all__ = ["FILE", "current", "keep_caller_state", "oversubscription_warning", "record", "reproduce"]
+__all__ = [
+    "FILE",
+    "Reproduced",
+    "current",
+    "keep_caller_state",
+    "oversubscription_warning",
+    "record",
+    "reproduce",
+]
 
 FILE = "numerics.json"
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -55,22 +66,23 @@ def keep_caller_state(method: _F) -> _F:
     return wrapper  # type: ignore[return-value]
 
 
-def current(trainer: Any) -> dict[str, Any]:
-    """This process's environment for the trainer's model and engine."""
-    eng = trainer.algorithm.engine
-    device = trainer.device
+def current(
+    algorithm: Algorithm, module: nn.Module, device: torch.device, tf32: bool | None
+) -> dict[str, Any]:
+    """This process's environment for ``algorithm``'s engine and ``module`` on ``device`` (``tf32``: the trainer's switch)."""
+    eng = algorithm.engine
     env: dict[str, Any] = {
         "device": device.type,
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "blas_mode": blas_mode(),  # MKL's CNR mode: its default dispatch is not batch-invariant
-        "dtype": str(next(trainer.module.parameters()).dtype),
+        "dtype": str(next(module.parameters()).dtype),
         "engine_mode": eng.mode,
         "batch_invariant": eng.batch_invariant,
         "compile": eng.local.compiled,
         # (convolutions, matmuls) in TF32; a CPU has none
-        "tf32": list(tf32_flags(trainer.tf32)) if device.type == "cuda" else [False, False],
+        "tf32": list(tf32_flags(tf32)) if device.type == "cuda" else [False, False],
     }
     if eng.mode == "stacked":
         env["kernel"] = str(eng.local.kernel_choice) if eng.local.kernel_choice else None
@@ -78,24 +90,46 @@ def current(trainer: Any) -> dict[str, Any]:
     return env
 
 
-def record(run_dir: Path, trainer: Any) -> dict[str, Any]:
-    """Write the environment ``fit`` ran in (atomically); returns it."""
-    env = current(trainer)
+def record(run_dir: Path, env: dict[str, Any]) -> dict[str, Any]:
+    """Write the environment ``fit`` ran in (:func:`current`, atomically); returns it."""
     atomic_write_json(run_dir / FILE, env)
     return env
 
 
-def reproduce(run_dir: Path, trainer: Any) -> list[str]:
-    """Match the recorded thread count; returns one line per field that still differs.
+@dataclass(frozen=True)
+class Reproduced:
+    """What :func:`reproduce` did and found.
 
+    Attributes:
+        notes: One line per field that still differs from fit's.
+        compile: Fit's ``trainer.compile`` when this process had another one (now applied to every
+            engine of the algorithm), else ``None``.
+        tf32_changed: Whether fit's ``trainer.tf32`` differed from this process's (it is now
+            applied to the device).
+        tf32: Fit's ``trainer.tf32`` when ``tf32_changed``.
+    """
+
+    notes: list[str] = field(default_factory=list)
+    compile: bool | None = None
+    tf32_changed: bool = False
+    tf32: bool | None = None
+
+
+def reproduce(
+    run_dir: Path, algorithm: Algorithm, module: nn.Module, device: torch.device, tf32: bool | None
+) -> Reproduced:
+    """Match the recorded thread count, compile and TF32 settings; notes of every field that still differs.
+
+    The thread count and the engines' compile switch are applied here, and TF32 to the device;
+    the caller keeps fit's ``compile`` and ``tf32`` (:class:`Reproduced`) as its own settings.
     A run from before this file existed has nothing recorded; nothing is compared then.
     """
     path = run_dir / FILE
     if not path.is_file():
-        return []
+        return Reproduced()
     fit_env = read_json_object(path)
     if fit_env is None:
-        return [f"{path} is unreadable: the numerical environment of fit is unknown"]
+        return Reproduced([f"{path} is unreadable: the numerical environment of fit is unknown"])
     notes = []
     threads = fit_env.get("threads")
     if isinstance(threads, int) and threads > 0 and threads != torch.get_num_threads():
@@ -103,29 +137,31 @@ def reproduce(run_dir: Path, trainer: Any) -> list[str]:
             f"threads: fit used {threads}, this process had {torch.get_num_threads()}; using {threads}"
         )
         torch.set_num_threads(threads)
-    fit_compile, eng = fit_env.get("compile"), trainer.algorithm.engine
+    fit_compile, eng = fit_env.get("compile"), algorithm.engine
+    compiled: bool | None = None
     if isinstance(fit_compile, bool) and fit_compile != eng.local.compiled:
         # the compiled step rounds differently in float32 (1.8e-7 on digits): use fit's, like threads
         notes.append(
             f"compile: fit ran with {fit_compile}, this process had {eng.local.compiled}; "
             f"using fit's (trainer.compile: {json.dumps(fit_compile)})"
         )
-        trainer.compile = fit_compile
-        for other in vars(trainer.algorithm).values():
+        compiled = fit_compile
+        for other in vars(algorithm).values():
             if isinstance(other, type(eng)):  # every engine made so far (FedEraser has two)
                 other.local.compiled = fit_compile
     fit_tf32 = fit_env.get("tf32")
-    if trainer.device.type == "cuda" and fit_tf32 in ([True, False], [True, True], [False, False]):
-        now_tf32 = list(tf32_flags(trainer.tf32))
+    tf32_changed = False
+    if device.type == "cuda" and fit_tf32 in ([True, False], [True, True], [False, False]):
+        now_tf32 = list(tf32_flags(tf32))
         if fit_tf32 != now_tf32:
             setting = {(True, False): None, (True, True): True, (False, False): False}[tuple(fit_tf32)]
             notes.append(
                 f"tf32 (convolutions, matmuls): fit ran with {fit_tf32}, this process had {now_tf32}; "
                 f"using fit's (trainer.tf32: {json.dumps(setting)})"
             )
-            trainer.tf32 = setting
-            configure_process(trainer.device, setting)
-    now = current(trainer)
+            tf32, tf32_changed = setting, True
+            configure_process(device, setting)
+    now = current(algorithm, module, device, tf32)
     for key in (
         "engine_mode",
         "device",
@@ -146,7 +182,7 @@ def reproduce(run_dir: Path, trainer: Any) -> list[str]:
                 else ""
             )
             notes.append(f"{key}: fit ran with {fit_env[key]!r}, this process has {now[key]!r}{hint}")
-    return notes
+    return Reproduced(notes, compiled, tf32_changed, tf32)
 
 
 def oversubscription_warning(threads: int, load: float | None = None, cores: int | None = None) -> str | None:

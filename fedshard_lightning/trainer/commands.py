@@ -19,7 +19,7 @@ from torch import Tensor
 from fedshard_lightning.callbacks.dispatch import call_hook
 from fedshard_lightning.errors import CacheError
 from fedshard_lightning.flcache.schema import schema_of
-from fedshard_lightning.loggers.run_loggers import finish_loggers, log_result
+from fedshard_lightning.loggers.run_loggers import finish_loggers
 from fedshard_lightning.run.deployed import load_model
 from fedshard_lightning.run.directory import check_real_folders, existing_run_dir, run_lock
 from fedshard_lightning.unlearning.reference import certify
@@ -43,7 +43,8 @@ def run_test(trainer: Any, model: Any, datamodule: Any, ckpt_path: str | None) -
             trainer._load_run(model, datamodule, str(run_dir), "test")
             trainer.cache.verify()  # every blob of the version it reports: those the load did not read
             metrics = _test_metrics(trainer, trainer.algorithm.current_params(), weights)
-            log_result(trainer, {f"test/{k}": metrics[k] for k in ("test_accuracy", "test_loss")})
+            row = {f"test/{k}": metrics[k] for k in ("test_accuracy", "test_loss")}
+            trainer.reporter.log_result(run_dir, row, trainer.log_step_start)
             return metrics
     if not lone_file and not weights.is_file():
         raise CacheError(
@@ -62,7 +63,7 @@ def run_test(trainer: Any, model: Any, datamodule: Any, ckpt_path: str | None) -
 def _test_metrics(trainer: Any, params: dict[str, Tensor], weights: Path) -> dict[str, Any]:
     acc, loss = trainer.evaluate(params)
     metrics = {"test_accuracy": acc, "test_loss": loss, "checkpoint": str(weights)}
-    call_hook(trainer.fabric, "on_test_end", trainer, metrics=metrics)
+    call_hook(trainer.fabric, "on_test_end", trainer.view(), metrics=metrics)
     trainer._print(f"test: test_accuracy={acc:.4f} test_loss={loss:.4f} ({weights})")
     return metrics
 
@@ -76,9 +77,9 @@ def run_audit(
     run's own engine and the difference from the independent reference. The result says whether
     both passed (``passed``); the CLI turns a failure into exit status 1.
     """
-    call_hook(trainer.fabric, "on_audit_start", trainer)
+    call_hook(trainer.fabric, "on_audit_start", trainer.view())
     result = certify(trainer.algorithm, tolerance, reference, reference_tolerance)
-    call_hook(trainer.fabric, "on_audit_end", trainer, result=result)
+    call_hook(trainer.fabric, "on_audit_end", trainer.view(), result=result)
     if result["engine_passed"] and not result["passed"]:
         result["lines"].append(
             "likely cause: the engine replays its own model, but the independent reference trains another: "
@@ -110,5 +111,5 @@ def run_audit(
     if "reference_rel_diff" in result:
         row["audit/reference_max_abs_diff"] = result["reference_max_abs_diff"]
         row["audit/reference_rel_diff"] = result["reference_rel_diff"]
-    log_result(trainer, row)
+    trainer.reporter.log_result(trainer.run_dir, row, trainer.log_step_start)
     return result  # a failure is the CLI's exit status 1, never a SystemExit from a Python call

@@ -30,8 +30,7 @@ from fedshard_lightning.errors import CacheError, ConfigError
 from fedshard_lightning.flcache.io import atomic_write_bytes, atomic_write_json, read_json_object
 from fedshard_lightning.launch.exits import one_line as _one_line
 from fedshard_lightning.launch.peer_watch import launch_watched
-from fedshard_lightning.loggers.run_loggers import finish_loggers, restore_csv_history
-from fedshard_lightning.loggers.wandb_resume import open_resumed_fit_run
+from fedshard_lightning.loggers.run_loggers import finish_loggers
 from fedshard_lightning.loggers.wandb_segments import close_wandb_run
 from fedshard_lightning.run import numerics
 from fedshard_lightning.run.checkpoint import resolved_config, stale_files
@@ -129,12 +128,14 @@ class TrainerEvents(LoopEvents):
 
     def stage_start(self, stage: int, groups: Sequence[Group]) -> None:
         """Fire ``on_stage_start``."""
-        call_hook(self.trainer.fabric, "on_stage_start", self.trainer, stage=stage, groups=groups)
+        call_hook(self.trainer.fabric, "on_stage_start", self.trainer.view(), stage=stage, groups=groups)
 
     def stage_merge(self, stage: int, groups: Any, alphas: Any, rounds: Any) -> None:
         """Fire ``on_stage_merge``."""
         t = self.trainer
-        call_hook(t.fabric, "on_stage_merge", t, stage=stage, groups=groups, alphas=alphas, rounds=rounds)
+        call_hook(
+            t.fabric, "on_stage_merge", t.view(), stage=stage, groups=groups, alphas=alphas, rounds=rounds
+        )
 
     def round_end(self, info: RoundInfo, state: dict[str, Tensor], groups: Sequence[Group]) -> None:
         """Measure the round, then fire ``on_round_end``."""
@@ -160,17 +161,21 @@ class TrainerEvents(LoopEvents):
             metrics.setdefault(name, value)
         metrics["global_round"] = float(self.global_round)
         t.history.append(metrics)
-        call_hook(t.fabric, "on_round_end", t, info=info, metrics=metrics)
+        call_hook(t.fabric, "on_round_end", t.view(), info=info, metrics=metrics)
 
     def stage_end(self, stage: int, metrics: dict[str, float] | None = None) -> None:
         """Commit the stage (rank zero), wait for every rank, then fire ``on_stage_end``."""
         self.checkpoint(f"stage-{stage}")
-        call_hook(self.trainer.fabric, "on_stage_end", self.trainer, stage=stage, metrics=metrics or {})
+        call_hook(
+            self.trainer.fabric, "on_stage_end", self.trainer.view(), stage=stage, metrics=metrics or {}
+        )
 
     def groups_trained(self, stage: int, groups: Sequence[Group], client_steps: int) -> None:
         """Fire ``on_groups_trained`` (progress of unlearn and audit)."""
         t = self.trainer
-        call_hook(t.fabric, "on_groups_trained", t, stage=stage, groups=groups, client_steps=client_steps)
+        call_hook(
+            t.fabric, "on_groups_trained", t.view(), stage=stage, groups=groups, client_steps=client_steps
+        )
 
     def checkpoint(self, label: str, complete: bool | None = None) -> None:
         """Commit the algorithm's state now (complete: as the algorithm says, unless told)."""
@@ -178,10 +183,10 @@ class TrainerEvents(LoopEvents):
         complete = t.algorithm.is_complete() if complete is None else complete
         version = t.store.commit(t.algorithm, label, complete, t.algorithm.engine.mode)
         if version is not None:  # the writing process
-            call_hook(t.fabric, "on_commit", t, version=version, label=label)
+            call_hook(t.fabric, "on_commit", t.view(), version=version, label=label)
         # At the first commit: a fit killed later is resumed in the environment it started in.
         if t.is_global_zero and t.run_dir is not None and not (t.run_dir / numerics.FILE).exists():
-            numerics.record(t.run_dir, t)
+            numerics.record(t.run_dir, numerics.current(t.algorithm, t.module, t.device, t.tf32))
         t.fabric.barrier()
 
     def evaluate(self, params: dict[str, Tensor]) -> tuple[float, float]:
@@ -223,14 +228,12 @@ def run_fit(trainer: Any, run_dir: Path, resume: bool, exclude: list[int]) -> di
         finished = resumed and bool(manifest.get("complete"))
         if resumed:  # the stages to come must round like the committed ones (threads, ...)
             reproduce_numerics(trainer, run_dir)
-    replay = False  # W&B too when its segment takes the others' place (wandb_resume)
-    if trainer.is_global_zero and getattr(trainer, "wandb_deferred", False):
-        replay = open_resumed_fit_run(trainer, run_dir, resumed, finished)
+    # W&B too when its segment takes the others' place (wandb_resume)
+    replay = trainer.reporter.open_resumed_fit(run_dir, resumed, finished)
     if resumed and trainer.fabric.loggers and trainer.is_global_zero:
-        restore = trainer.fabric.loggers[:1] + ([trainer.wandb_logger] if replay else [])  # the CSV first
         events = trainer._events
-        trainer.log_step_start, events.global_round, events.client_steps = restore_csv_history(
-            restore, trainer.csv_history
+        trainer.log_step_start, events.global_round, events.client_steps = trainer.reporter.restore_rows(
+            replay
         )
     if not resumed:
         alg.reset(alg.engine.module_params(), exclude=validate_exclude(exclude, alg.num_clients))
@@ -244,7 +247,7 @@ def run_fit(trainer: Any, run_dir: Path, resume: bool, exclude: list[int]) -> di
             "client starts every round with a fresh optimizer, so that state is reset every round "
             "(trainer.optimizer_state keep carries it between rounds)"
         )
-    call_hook(trainer.fabric, "on_fit_start", trainer)
+    call_hook(trainer.fabric, "on_fit_start", trainer.view())
     try:
         if finished:
             params = check_params(alg, alg.current_params(), "current_params")
@@ -282,10 +285,10 @@ def run_fit(trainer: Any, run_dir: Path, resume: bool, exclude: list[int]) -> di
         if recorded is None:
             atomic_write_json(run_dir / "metrics.json", metrics)
         if read_json_object(run_dir / numerics.FILE) is None:  # recorded at the first commit
-            numerics.record(run_dir, trainer)
+            numerics.record(run_dir, numerics.current(alg, trainer.module, trainer.device, trainer.tf32))
         for name, text in alg.run_files().items():
             (run_dir / name).write_text(text)
-    call_hook(trainer.fabric, "on_fit_end", trainer, metrics=metrics)
+    call_hook(trainer.fabric, "on_fit_end", trainer.view(), metrics=metrics)
     finish_loggers(
         trainer.fabric.loggers, trainer.wandb, run_dir, trainer.log_step_start + len(trainer.history) + 1
     )
@@ -361,7 +364,12 @@ def reproduce_numerics(trainer: Any, run_dir: Path) -> None:
     cores ran 4 threads unwarned: its last 3 stages took 186 s, the whole 2-process fit 17 s.
     """
     before = torch.get_num_threads()
-    trainer.numerics_notes = numerics.reproduce(run_dir, trainer)
+    reproduced = numerics.reproduce(run_dir, trainer.algorithm, trainer.module, trainer.device, trainer.tf32)
+    if reproduced.compile is not None:  # engines made from now on compile as fit's did
+        trainer.compile = reproduced.compile
+    if reproduced.tf32_changed:
+        trainer.tf32 = reproduced.tf32
+    trainer.numerics_notes = reproduced.notes
     for note in trainer.numerics_notes:
         trainer._print(f"warning: numerics: {note}")
     threads, world = torch.get_num_threads(), trainer.fabric.world_size

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from fedshard_lightning.callbacks.dispatch import call_hook
-from fedshard_lightning.callbacks.metrics_logger import log_request
+from fedshard_lightning.callbacks.metrics_logger import request_row
 from fedshard_lightning.callbacks.progress import format_rate, format_seconds
 from fedshard_lightning.errors import UnlearningRequestError
 from fedshard_lightning.flcache.io import atomic_write_json
@@ -156,7 +156,7 @@ def log_lost_requests(trainer: Any) -> int:
     logged = logged_requests(trainer.run_dir)
     lost = [r for r in trainer.store.requests if int(r.get("request", 0)) not in logged]
     for report in lost:
-        log_request(trainer, report)
+        trainer.reporter.log(request_row(report), step=trainer.log_step_start)
         trainer.log_step_start += 1
     return len(lost)
 
@@ -179,7 +179,7 @@ def apply_request(trainer: Any, clients: Any) -> dict[str, Any]:
     number = len(store.requests) + 1
     journal = Journal(trainer.run_dir, enabled=trainer.is_global_zero)
     journal.append({"event": "started", "request": number, "clients": ids})
-    call_hook(trainer.fabric, "on_unlearn_start", trainer, clients=ids)
+    call_hook(trainer.fabric, "on_unlearn_start", trainer.view(), clients=ids)
     before = trainer.evaluate(alg.current_params())
     predicted = check_cost(alg, alg.predict_cost(ids), "predict_cost()")
     retrain = check_cost(alg, alg.retrain_cost(ids), "retrain_cost()")
@@ -195,7 +195,7 @@ def apply_request(trainer: Any, clients: Any) -> dict[str, Any]:
         call_hook(
             trainer.fabric,
             "on_commit",
-            trainer,
+            trainer.view(),
             version=report["cache_version"],
             label=f"unlearn-{number:04d}",
         )
@@ -204,7 +204,7 @@ def apply_request(trainer: Any, clients: Any) -> dict[str, Any]:
         except OSError as e:  # the request is in the cache: its one line must not ask to redo it
             e.committed_request = number
             raise
-    call_hook(trainer.fabric, "on_unlearn_end", trainer, report=report)
+    call_hook(trainer.fabric, "on_unlearn_end", trainer.view(), report=report)
     finish_loggers(trainer.fabric.loggers, trainer.wandb, trainer.run_dir, trainer.log_step_start + 1)
     trainer._print(
         f"unlearn: clients {ids} removed with {report['client_steps']} client-steps "

@@ -24,12 +24,14 @@ from lightning.fabric.loggers import Logger
 from torch import Tensor
 
 from fedshard_lightning.callbacks import FederatedCallback, default_callbacks
+from fedshard_lightning.callbacks.view import RunView
 from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.engine.evaluate import Evaluator
 from fedshard_lightning.engine.grad_clip import grad_clip
 from fedshard_lightning.errors import ConfigError, FedShardError
 from fedshard_lightning.flcache.cache import FLCache
-from fedshard_lightning.loggers.run_loggers import next_log_step, run_loggers
+from fedshard_lightning.loggers.reporter import RunReporter
+from fedshard_lightning.loggers.run_loggers import LoggerSettings, next_log_step, run_hparams
 from fedshard_lightning.module import bind_model, param_dtype
 from fedshard_lightning.run.checkpoint import CHECKPOINT, save_checkpoint
 from fedshard_lightning.run.deployed import save_model
@@ -38,7 +40,7 @@ from fedshard_lightning.run.fingerprint import body_fingerprint, readable_body
 from fedshard_lightning.run.numerics import keep_caller_state
 from fedshard_lightning.run.store import RunStore
 from fedshard_lightning.trainer.commands import run_audit, run_test
-from fedshard_lightning.trainer.dev_run import run_dev
+from fedshard_lightning.trainer.dev_run import check_dev_run, dev_folder, dev_line, train_one_round
 from fedshard_lightning.trainer.loop import TrainerEvents, check_same_seed, launch_fabric, load_run, run_fit
 from fedshard_lightning.trainer.options import (
     as_list,
@@ -174,7 +176,6 @@ class FederatedTrainer:
         self.user_loggers = as_list(loggers)
         self.wandb, self.wandb_project, self.wandb_mode = wandb, wandb_project, wandb_mode
         self.wandb_group, self.tensorboard = wandb_group, bool(tensorboard)
-        self.csv_history: list[dict[str, str]] = []
         self.log_step_start = 0
         self.default_root_dir, self.run_name = default_root_dir, run_name
         self.vectorize = vectorize
@@ -193,6 +194,7 @@ class FederatedTrainer:
         self.numerics_notes: list[str] = []
         self.config_yaml: str | None = None
         self.fabric: L.Fabric | None = None
+        self.reporter: RunReporter | None = None  # the console and loggers, once launched
         self.module: L.LightningModule | None = None
         self.datamodule: FederatedDataModule | None = None
         self.run_dir: Path | None = None
@@ -240,6 +242,7 @@ class FederatedTrainer:
         self.fabric = launch_fabric(
             self.accelerator, self.devices, self.strategy, self.precision, self.num_threads, self.tf32, warn
         )
+        self.reporter = RunReporter(self.fabric)
         if self.fabric.world_size > 1:  # before anything is created or trained
             check_same_seed(self.fabric, self.seed)
 
@@ -257,9 +260,28 @@ class FederatedTrainer:
         )
         self.fabric._callbacks = self._callbacks
         resume = command == "fit" and (run_dir / "cache" / "CURRENT").exists()
-        self.fabric._loggers = (
-            run_loggers(self, run_dir, command, resume) if self.fabric.is_global_zero else []
+        hparams = (
+            run_hparams(
+                model,
+                datamodule,
+                self.algorithm,
+                self.seed,
+                self.precision,
+                self.vectorize,
+                len(self.client_sizes),
+            )
+            if self.fabric.is_global_zero
+            else {}
         )
+        settings = LoggerSettings(
+            self.wandb,
+            self.wandb_project,
+            self.wandb_mode,
+            self.wandb_group,
+            self.tensorboard,
+            tuple(self.user_loggers),
+        )
+        self.reporter.open(run_dir, command, resume, hparams, settings)
         with self.fabric.rank_zero_first():
             datamodule.prepare_data()
         datamodule.setup("fit")
@@ -316,6 +338,43 @@ class FederatedTrainer:
         if self.is_global_zero:
             print(text, flush=True)
 
+    def record_config(self, text: str) -> None:
+        """The command line's resolved config (YAML): fit writes it into the run directory as ``config.yaml``."""
+        self.config_yaml = text
+
+    def view(self) -> RunView:
+        """What callbacks see of the run now (read-only; made for each hook call)."""
+        return RunView(
+            run_dir=self.run_dir,
+            algorithm=self.algorithm,
+            module=self.module,
+            datamodule=self.datamodule,
+            client_sizes=self.client_sizes,
+            history=self.history,
+            log_step_start=self.log_step_start,
+            is_global_zero=self.is_global_zero,
+            show_progress=self.enable_progress_bar,
+            cache=self.cache,
+            writer=self.reporter,
+            evaluate=self.evaluate,
+        )
+
+    def _dev_run(
+        self, model: L.LightningModule, datamodule: FederatedDataModule, ckpt_path: str | None
+    ) -> dict[str, Any]:
+        """``fast_dev_run``: one round on a few clients in a folder removed afterwards (:mod:`.dev_run`)."""
+        check_dev_run(ckpt_path)
+        self.wandb, self.tensorboard, self.user_loggers = False, False, []
+        self._launch()
+        try:
+            with dev_folder(self.fabric) as folder:
+                self._setup(model, datamodule, folder, "fit")
+                result = train_one_round(self.algorithm.engine, self.client_sizes, self.evaluate)
+                self._print(dev_line(result))
+                return result
+        finally:
+            self.run_dir = None
+
     # -- subcommands -----------------------------------------------------------------------------
     @keep_caller_state
     def fit(
@@ -335,7 +394,7 @@ class FederatedTrainer:
                 that exact unlearning must equal).
         """
         if self.fast_dev_run:
-            return run_dev(self, model, datamodule, ckpt_path)
+            return self._dev_run(model, datamodule, ckpt_path)
         resume = ckpt_path is not None
         self._launch()
         if resume:

@@ -83,7 +83,7 @@ def test_a_renamed_hook_parameter_is_one_line_naming_the_hook():
     fabric = Fabric(accelerator="cpu", devices=1, callbacks=[Renamed()])
     with pytest.raises(
         ContractError,
-        match=r"Renamed\.on_stage_end cannot take .* name its parameters trainer, stage, metrics",
+        match=r"Renamed\.on_stage_end cannot take .* name its parameters run, stage, metrics",
     ):
         call_hook(fabric, "on_stage_end", "T", stage=0, metrics={})
 
