@@ -37,8 +37,10 @@ from fedshard_lightning.run.checkpoint import resolved_config, stale_files
 from fedshard_lightning.run.directory import Journal, recover_reports
 from fedshard_lightning.run.request_history import check_history
 from fedshard_lightning.trainer.requests import validate_exclude
+from fedshard_lightning.trainer.stage_loop import StageLoop
 from fedshard_lightning.unlearning.context import AlgorithmContext, LoopEvents
 from fedshard_lightning.unlearning.contract import check_params
+from fedshard_lightning.unlearning.planner import Planner
 
 __all__ = [
     "TrainerEvents",
@@ -248,9 +250,12 @@ def run_fit(trainer: Any, run_dir: Path, resume: bool, exclude: list[int]) -> di
         )
     call_hook(trainer.fabric, "on_fit_start", trainer.view())
     try:
-        params = check_params(
-            alg, alg.current_params() if finished else alg.fit(), "current_params" if finished else "fit"
-        )
+        if finished:
+            params = check_params(alg, alg.current_params(), "current_params")
+        elif isinstance(alg, Planner):  # the trainer runs a planner's loop
+            params = StageLoop(alg, trainer._events).fit()
+        else:
+            params = check_params(alg, alg.fit(), "fit")
     except BaseException:
         for logger in trainer.fabric.loggers:  # rows are written in batches: keep the stopped fit's
             with contextlib.suppress(OSError):

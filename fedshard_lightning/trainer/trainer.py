@@ -52,6 +52,7 @@ from fedshard_lightning.trainer.options import (
 )
 from fedshard_lightning.trainer.requests import apply_request
 from fedshard_lightning.unlearning.base import Algorithm, check_implemented
+from fedshard_lightning.unlearning.planner import Planner, check_planner
 
 __all__ = ["FederatedTrainer"]
 
@@ -296,7 +297,9 @@ class FederatedTrainer:
         self._evaluator.prepare()
         self.history = []
         self._events = TrainerEvents(self)
-        check_implemented(self.algorithm)
+        check_planner(self.algorithm) if isinstance(self.algorithm, Planner) else check_implemented(
+            self.algorithm
+        )
         self.algorithm.setup(self._events.context())
         check_optimizer_state(self.optimizer_state, self.algorithm.engine.spec)
         body = readable_body(self.module, datamodule, self.algorithm, self.seed)  # the data hashed once

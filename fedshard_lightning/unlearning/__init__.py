@@ -1,8 +1,10 @@
 """Federated (un)learning algorithms behind one interface: policies over explicit state.
 
-:class:`Algorithm` (``base.py``) is the interface and :class:`AlgorithmContext` (``context.py``)
-all an algorithm sees of a run; one file per method: FedShard (the default), FedAvg retraining,
-FATS, FedEraser, RapidRetrain and FedRecover (the last two on ``history.py``).
+:class:`Planner` (``planner.py``) is how a method is written: it plans stages over an immutable
+:class:`PlanState` and the trainer runs the loop (FedAvg retraining is one). :class:`Algorithm`
+(``base.py``) is the interface the trainer calls, which a planner implements from its plans;
+FedShard, FATS, RapidRetrain, FedEraser and FedRecover (the last two on ``history.py``)
+implement it directly. :class:`AlgorithmContext` (``context.py``) is all a method sees of a run.
 """
 
 from fedshard_lightning.unlearning.base import Algorithm, UnlearnResult
@@ -12,6 +14,7 @@ from fedshard_lightning.unlearning.fedavg import FedAvg
 from fedshard_lightning.unlearning.federaser import FedEraser
 from fedshard_lightning.unlearning.fedrecover import FedRecover
 from fedshard_lightning.unlearning.fedshard import FedShard
+from fedshard_lightning.unlearning.planner import Planner, PlanState, StagePlan
 from fedshard_lightning.unlearning.rapid_retrain import FisherPreconditionedSGD, RapidRetrain
 
 __all__ = [
@@ -24,7 +27,10 @@ __all__ = [
     "FedShard",
     "FisherPreconditionedSGD",
     "LoopEvents",
+    "PlanState",
+    "Planner",
     "RapidRetrain",
+    "StagePlan",
     "UnlearnResult",
     "default_algorithm",
 ]

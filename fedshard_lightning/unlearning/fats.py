@@ -41,7 +41,7 @@ from fedshard_lightning.errors import CacheError, ConfigError
 from fedshard_lightning.flcache.cache import FLCache
 from fedshard_lightning.unlearning.base import UnlearnResult
 from fedshard_lightning.unlearning.context import AlgorithmContext
-from fedshard_lightning.unlearning.fedavg import FedAvg
+from fedshard_lightning.unlearning.fedavg import FedAvgRounds
 from fedshard_lightning.unlearning.reference import ReferenceReplay
 
 __all__ = ["FATS"]
@@ -50,7 +50,7 @@ _BLOCK = 64
 """Ids drawn per generator call; fixed, so the stream of draws never depends on the population."""
 
 
-class FATS(FedAvg):
+class FATS(FedAvgRounds):
     """FedAvg with keyed sampling with replacement; unlearning rewinds to the first participation.
 
     Args:
@@ -63,7 +63,7 @@ class FATS(FedAvg):
     local_bn_ok = False  # one engine call per round
 
     name = "fats"
-    state_fields = (*FedAvg.state_fields, "models", "participants")
+    state_fields = (*FedAvgRounds.state_fields, "models", "participants")
 
     def __init__(self, rounds: int = 20, sample_size: int = 8, **kwargs: Any) -> None:
         super().__init__(rounds=rounds, **kwargs)

@@ -24,7 +24,7 @@ from fedshard_lightning.engine import (
 )
 from fedshard_lightning.errors import CacheError
 from fedshard_lightning.flcache.cache import FLCache
-from fedshard_lightning.unlearning.fedavg import FedAvg
+from fedshard_lightning.unlearning.fedavg import FedAvgRounds
 
 __all__ = ["HistoryFedAvg", "UpdateHistory"]
 
@@ -115,7 +115,7 @@ class UpdateHistory:
         return hist
 
 
-class HistoryFedAvg(FedAvg):
+class HistoryFedAvg(FedAvgRounds):
     """FedAvg trained one engine call per round, retaining the updates of every ``keep_every``-th round.
 
     Round r is the engine's stage r (round 0 of a one-round group), so any round can be re-run
@@ -130,7 +130,7 @@ class HistoryFedAvg(FedAvg):
 
     local_bn_ok = False  # one engine call per round
 
-    state_fields = (*FedAvg.state_fields, "history")
+    state_fields = (*FedAvgRounds.state_fields, "history")
 
     def __init__(self, rounds: int = 20, keep_every: int = 1, **kwargs: Any) -> None:
         super().__init__(rounds=rounds, **kwargs)

@@ -53,7 +53,7 @@ from fedshard_lightning.errors import ConfigError
 from fedshard_lightning.limits import check_count
 from fedshard_lightning.unlearning.base import UnlearnResult
 from fedshard_lightning.unlearning.context import AlgorithmContext
-from fedshard_lightning.unlearning.fedavg import FedAvg
+from fedshard_lightning.unlearning.fedavg import FedAvgRounds
 
 __all__ = ["FisherPreconditionedSGD", "RapidRetrain"]
 
@@ -107,7 +107,7 @@ class FisherPreconditionedSGD(torch.optim.Optimizer):
         return loss
 
 
-class RapidRetrain(FedAvg):
+class RapidRetrain(FedAvgRounds):
     """FedAvg; unlearning retrains the remaining clients with Fisher-preconditioned local steps.
 
     Args:
@@ -175,7 +175,7 @@ class RapidRetrain(FedAvg):
 
     def retrain_cost(self, clients: Sequence[int]) -> int:
         """Steps of FedAvg retrained from scratch for ``rounds`` rounds."""
-        return FedAvg.predict_cost(self, clients)
+        return FedAvgRounds.predict_cost(self, clients)
 
     def unlearn(self, clients: Sequence[int]) -> UnlearnResult:
         """Rapid retraining from theta^0 without ``clients`` (and every earlier unlearned client)."""
