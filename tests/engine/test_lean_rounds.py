@@ -175,7 +175,7 @@ def test_auto_decides_on_the_chunk_the_general_path_would_time(monkeypatch):
 
     seen = []
 
-    def record(local, start, batch):
+    def record(local, start, batch, *_):
         seen.append(({k: v.clone() for k, v in start.items()}, batch))
         return "stacked", "recorded"
 
