@@ -16,7 +16,7 @@ import os
 import random
 import sys
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import lightning as L
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -202,18 +202,8 @@ def launcher_seed() -> int | None:
     return seed if 0 <= seed < 2**32 else None
 
 
-class _Parser(LightningArgumentParser):
-    """Prints parse errors as one line, and help without reStructuredText markup."""
-
-    def format_help(self) -> str:
-        """Help as plain text."""
-        return plain_text(super().format_help())
-
-    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
-        if not self.exit_on_error:
-            return super().error(message, ex)
-        sys.stderr.write(f"error: {_one_line(parse_reason(message))}\n")
-        raise SystemExit(2)
+class _Parser(PlainHelpParser, LightningArgumentParser):
+    """Lightning's parser with the experiments' plain help and one-line parse errors."""
 
 
 class FederatedCLI(LightningCLI):
