@@ -124,7 +124,15 @@ def _paired(rows, a: str, b: str, key: str, op: Callable[[float, float], float])
 
 
 def _k(compare: dict[str, Any]) -> Any:
-    return next((r.get("num_clients") for r in compare["rows"] if r.get("num_clients")), "?")
+    """K: a row's ``num_clients``, else its ``clients_in_M_e_steps`` (every client's cost is in M_e)."""
+    return next(
+        (
+            r.get("num_clients") or r["clients_in_M_e_steps"]
+            for r in compare["rows"]
+            if r.get("num_clients") or r.get("clients_in_M_e_steps")
+        ),
+        "?",
+    )
 
 
 def _setting(compare: dict[str, Any], seeds: Sequence[int] | None = None) -> str:
