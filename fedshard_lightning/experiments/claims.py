@@ -22,8 +22,8 @@ It reads the results of four experiments from ``workdir`` and runs those that ar
 ``--small true`` runs seed 0 only with 2 unlearned clients, for a table in minutes.
 ``fedshard`` is the compare row (its label, ``method_label``) that stands for FedShard, so a
 variant's row can be judged by the same rules, or a list of rows, each judged beside the
-others; the cascade and poisoning experiments key their
-methods by algorithm name (``fedshard``), whatever variant their config runs.
+others; the cascade and poisoning experiments key their methods by algorithm name
+(``fedshard``), whatever variant their config runs.
 
 Every row's verdict is computed from the numbers by the rule printed under the table; the reason
 is a sentence chosen by the verdict and filled with the numbers. A CI over seeds is a Student-t
