@@ -7,18 +7,23 @@ cascaded leaving, uf-DPA; Table 3, Figure 5, Appendix G.5).
     python -m fedshard_lightning.experiments.claims --out docs/claims.md
     python -m fedshard_lightning.experiments.claims --small true --out claims.md   # minutes
     python -m fedshard_lightning.experiments.claims --fedshard "fedshard (rounds: stage_a2)" ...
+    python -m fedshard_lightning.experiments.claims \
+        --fedshard '["fedshard (merge: a1_path, rounds: stage_a2)", "fedshard"]'   # both rows
 
 It reads the results of four experiments from ``workdir`` and runs those that are absent:
 
 * ``compare/`` (``compare_config``, default ``configs/compare/digits_claims.yaml``): speed, M_e,
-  M_p, MIA (calibrated attack, ``mia.json``), r_1, r_2;
+  M_p, r_1, r_2;
+* ``mia/`` (``mia_config``, default ``configs/compare/mia_memorise.yaml``, a setting whose model
+  memorises its clients): the MIA row (calibrated attack, ``mia.json``);
 * ``ablation/`` (``ablation_config``): final test accuracy of naive sharding, A1, A1 + A2, FedAvg;
 * ``cascade/`` (``cascade_config``) and ``poisoning/`` (``poisoning_config``).
 
 ``--small true`` runs seed 0 only with 2 unlearned clients, for a table in minutes.
 ``fedshard`` is the compare row (its label, ``method_label``) that stands for FedShard, so a
-variant's row can be judged by the same rules; the cascade and poisoning experiments key their
-methods by algorithm name (``fedshard``), whatever variant their config runs.
+variant's row can be judged by the same rules, or a list of rows, each judged beside the
+others; the cascade and poisoning experiments key their methods by algorithm name
+(``fedshard``), whatever variant their config runs.
 
 Every row's verdict is computed from the numbers by the rule printed under the table; the reason
 is a sentence chosen by the verdict and filled with the numbers. A CI over seeds is a Student-t
@@ -119,11 +124,24 @@ def _paired(rows, a: str, b: str, key: str, op: Callable[[float, float], float])
 
 
 def _k(compare: dict[str, Any]) -> Any:
-    return next((r.get("num_clients") for r in compare["rows"] if r.get("num_clients")), "?")
+    """K: a row's ``num_clients``, else its ``clients_in_M_e_steps`` (every client's cost is in M_e)."""
+    return next(
+        (
+            r.get("num_clients") or r["clients_in_M_e_steps"]
+            for r in compare["rows"]
+            if r.get("num_clients") or r.get("clients_in_M_e_steps")
+        ),
+        "?",
+    )
 
 
-def _setting(compare: dict[str, Any]) -> str:
-    return f"K={_k(compare)}, seeds {compare.get('seeds')}"
+def _setting(compare: dict[str, Any], seeds: Sequence[int] | None = None) -> str:
+    """``K=.., seeds [..]``: the seeds the row's numbers come from (default: the comparison's)."""
+    return f"K={_k(compare)}, seeds {sorted(seeds) if seeds is not None else compare.get('seeds')}"
+
+
+def _paired_seeds(rows, a: str, b: str, key: str) -> list[int]:
+    return sorted(set(_per_seed(rows, a, key)) & set(_per_seed(rows, b, key)))
 
 
 def _ef(compare, fs) -> Claim:
@@ -136,7 +154,7 @@ def _ef(compare, fs) -> Claim:
             "E.F. (M_e)", paper, "-", MISSING, "the comparison has no FA or no FT row for FS's seeds"
         )
     ours = (
-        f"{_setting(compare)}: M_e FS/FA {_ci_text(t_interval(to_fa, True), len(to_fa))}, "
+        f"{_setting(compare, _paired_seeds(rows, fs, 'fats', 'M_e_steps'))}: M_e FS/FA {_ci_text(t_interval(to_fa, True), len(to_fa))}, "
         f"FS/FT {_ci_text(t_interval(to_ft, True), len(to_ft))} (client-steps; per seed "
         f"{', '.join(f'{x:.2f}' for x in to_ft)} vs FT)"
     )
@@ -180,7 +198,7 @@ def _pf(compare, fs) -> Claim:
         return Claim("P.F. (M_p)", paper, "-", MISSING, "no M_p (the replay was not measured)")
     means = {m: t_interval(list(_per_seed(rows, m, "M_p").values())) for m in methods}
     ours = (
-        f"{_setting(compare)}: M_p "
+        f"{_setting(compare, [s for s in seeds if s in _per_seed(rows, fs, 'M_p')])}: M_p "
         + ", ".join(f"{m} {_ci_text(ci, len(seeds))}" for m, ci in means.items() if ci)
         + f"; FS's rank per seed {ranks} of {len(methods)}"
     )
@@ -268,7 +286,7 @@ def _speed(compare, fs, other: str, name: str, paper: str, low: float) -> Claim:
     if not t_ratio:
         return Claim(name, paper, "-", MISSING, f"no measured t of FS and {other}")
     ours = (
-        f"{_setting(compare)}: {other} t / FS t {_ci_text(t_interval(t_ratio, True), len(t_ratio))} "
+        f"{_setting(compare, _paired_seeds(rows, other, fs, 't'))}: {other} t / FS t {_ci_text(t_interval(t_ratio, True), len(t_ratio))} "
         f"(per seed {', '.join(f'{x:.2f}' for x in t_ratio)}); client-steps {_ci_text(t_interval(steps, True), len(steps))}"
     )
     if all(x >= low for x in t_ratio) and (low > 1 or all(x > 1 for x in t_ratio)):
@@ -299,6 +317,8 @@ def _ablation(abl: dict[str, Any] | None, fs: str) -> Claim:
         return Claim("ablation", paper, "-", MISSING, "no ablation comparison was run")
     rows = abl["rows"]
     methods = list(dict.fromkeys(r["method"] for r in rows))
+    if fs not in methods and "fedshard" in methods:
+        fs = "fedshard"  # the ablation runs the paper's A1 + A2, whichever FedShard row the table judges
     naive = next((m for m in methods if "merge: random" in m), None)
     a1 = next((m for m in methods if m.startswith("fedshard") and "rounds: fixed" in m and m != naive), None)
     if fs not in methods or naive is None or "fedavg" not in methods:
@@ -416,7 +436,8 @@ def _r1(compare, fs) -> Claim:
         )
     k, big_r, p = rows[0]["num_clients"], rows[0]["merge_rate"], rows[0]["stages"]
     r1 = (big_r - 1) / big_r * k / (k - 1) * p
-    ours = f"K={k}, R={big_r}, P={p}: r1 = {r1:.2f}; measured FA/FS client-steps {_ci_text(t_interval(speed, True), len(speed))} (per seed {', '.join(f'{x:.2f}' for x in speed)})"
+    seeds = _paired_seeds(compare["rows"], "fedavg", fs, "client_steps")
+    ours = f"K={k}, seeds {seeds}, R={big_r}, P={p}: r1 = {r1:.2f}; measured FA/FS client-steps {_ci_text(t_interval(speed, True), len(speed))} (per seed {', '.join(f'{x:.2f}' for x in speed)})"
     if all(x >= r1 for x in speed):
         return Claim("r1", paper, ours, HOLDS, f"the measured speed-up reaches r1 = {r1:.2f} in every seed.")
     if all(x > 1 for x in speed):
@@ -436,7 +457,7 @@ def _r2(compare, fs) -> Claim:
     m = next((r.get("leaving_together") for r in compare["rows"] if r["method"] == fs), None)
     if not vals or not m:
         return Claim("r2", paper, "-", MISSING, "no r2 in the comparison")
-    ours = f"{_setting(compare)}, m={m}: r2 {_ci_text(t_interval(vals), len(vals))} (per seed {', '.join(f'{x:.2f}' for x in vals)})"
+    ours = f"{_setting(compare, list(_per_seed(compare['rows'], fs, 'r2_steps')))}, m={m}: r2 {_ci_text(t_interval(vals), len(vals))} (per seed {', '.join(f'{x:.2f}' for x in vals)})"
     if all(1 - 1e-9 <= x <= m + 1e-9 for x in vals):
         return Claim(
             "r2",
@@ -454,29 +475,54 @@ def build_claims(
     ablation: dict[str, Any] | None,
     cascade: dict[str, Any] | None,
     poisoning: dict[str, Any] | None,
-    fedshard: str = "fedshard",
+    fedshard: str | Sequence[str] = "fedshard",
     mia_setting: str = "",
 ) -> list[Claim]:
-    """Every row of the table from the experiments' JSON results (``None`` where not run)."""
+    """Every row of the table from the experiments' JSON results (``None`` where not run).
+
+    ``fedshard``: the comparison row (its label) judged as FedShard, or several (e.g. a variant
+    and the paper's FedShard beside it): each row that depends on FedShard is then made once per
+    label, one after the other, its claim cell naming the label (``E.F. (M_e), FS = ...``). The
+    ablation judges the paper's A1 + A2 (``fedshard``) unless its comparison has the first label.
+    """
+    labels = [fedshard] if isinstance(fedshard, str) else list(fedshard)
+    if not labels:
+        raise ValueError("build_claims: fedshard names no comparison row")
+
+    def each(make: Callable[[str], Claim]) -> list[Claim]:
+        out = []
+        for label in labels:
+            row = make(label)
+            if len(labels) > 1:
+                row.claim = f"{row.claim}, FS = {_fs_name(label)}"
+            out.append(row)
+        return out
+
     return [
-        _ef(compare, fedshard),
-        _pf(compare, fedshard),
-        _mia(mia, fedshard, mia_setting),
-        _speed(
-            compare,
-            fedshard,
-            "fedavg",
-            "speed vs FA",
-            "FS 1.3-6.2x faster than retraining (FA), Table 2",
-            1.3,
+        *each(lambda fs: _ef(compare, fs)),
+        *each(lambda fs: _pf(compare, fs)),
+        *each(lambda fs: _mia(mia, fs, mia_setting)),
+        *each(
+            lambda fs: _speed(
+                compare, fs, "fedavg", "speed vs FA", "FS 1.3-6.2x faster than retraining (FA), Table 2", 1.3
+            )
         ),
-        _speed(compare, fedshard, "fats", "speed vs FT", "FS up to 4.9x faster than FATS (FT), Table 2", 1.0),
-        _ablation(ablation, fedshard),
+        *each(
+            lambda fs: _speed(
+                compare, fs, "fats", "speed vs FT", "FS up to 4.9x faster than FATS (FT), Table 2", 1.0
+            )
+        ),
+        _ablation(ablation, labels[0]),
         _cascade(cascade),
         _dpa(poisoning),
-        _r1(compare, fedshard),
-        _r2(compare, fedshard),
+        *each(lambda fs: _r1(compare, fs)),
+        *each(lambda fs: _r2(compare, fs)),
     ]
+
+
+def _fs_name(label: str) -> str:
+    """How the table names a FedShard row: the paper's (plain ``fedshard``) or the labelled variant."""
+    return "fedshard as the paper specifies it" if label == "fedshard" else f"{label} (our variant)"
 
 
 def render_markdown(rows: list[Claim], command: str) -> str:
@@ -551,7 +597,7 @@ def _run(function: Callable[..., Any], config: str, args: list[str]) -> None:
 def claims(
     out: str = "docs/claims.md",
     workdir: str = "runs/claims",
-    fedshard: str = "fedshard",
+    fedshard: str | list[str] = "fedshard",
     small: bool = False,
     seeds: list[int] | None = None,
     compare_config: str = "configs/compare/digits_claims.yaml",
@@ -560,7 +606,7 @@ def claims(
     poisoning_config: str = "configs/poisoning/approximate.yaml",
     run_missing: bool = True,
     mia_bootstrap: int = 1000,
-    mia_config: str | None = None,
+    mia_config: str | None = "configs/compare/mia_memorise.yaml",
 ) -> dict[str, Any]:
     """Write the claims table; run the experiments whose results are not in ``workdir`` yet.
 
@@ -569,7 +615,9 @@ def claims(
         workdir: Holds ``compare/``, ``ablation/``, ``cascade/``, ``poisoning/`` (results are
             reused when present: delete a folder to rerun it). ``compare-*/`` and
             ``ablation-*/`` folders (e.g. one per seed) are pooled with them.
-        fedshard: The compare row that stands for FedShard (e.g. ``fedshard (rounds: stage_a2)``).
+        fedshard: The compare row that stands for FedShard (e.g. ``fedshard (merge: a1_path,
+            rounds: stage_a2)``), or a list of rows judged one beside the other (e.g. that
+            variant and ``fedshard``, the paper's).
         small: Seed 0 only and 2 unlearned clients in the comparisons (minutes on a CPU).
         seeds: Seeds of the comparisons (default: the configs', or ``[0]`` with ``small``).
         compare_config: ``compare`` config of the speed, M_e, M_p, MIA, r1 and r2 rows.
@@ -579,9 +627,9 @@ def claims(
         run_missing: Run absent experiments (``false``: mark their rows "not measured").
         mia_bootstrap: Bootstrap draws of the MIA's CIs when several compare folders are pooled.
         mia_config: A ``compare`` config of its own for the MIA row (e.g. a setting that
-            memorises, ``configs/compare/mia_synthetic.yaml``), run into ``mia/``; the MIA row
-            also reads ``mia/`` or ``mia-*/`` when they exist. ``None`` and no such folder: the
-            MIA of the main comparison.
+            memorises, the default ``configs/compare/mia_memorise.yaml``: on digits the model
+            does not memorise), run into ``mia/``; the MIA row also reads ``mia/`` or ``mia-*/``
+            when they exist. ``None`` and no such folder: the MIA of the main comparison.
     """
     work = Path(workdir)
     seeds = [0] if small and seeds is None else seeds
@@ -615,19 +663,30 @@ def claims(
         raise SystemExit(f"no comparison results in {work / 'compare'}: run with run_missing true")
     mia_source = results.get("mia") or _merged(work, "mia", "compare.json") or results["compare"]
     own = mia_source is not results["compare"]
+    labels = [fedshard] if isinstance(fedshard, str) else list(fedshard)
     rows = build_claims(
         results["compare"],
-        _merged_mia(work, mia_source["folders"], fedshard, mia_bootstrap),
+        _merged_mia(work, mia_source["folders"], labels[0], mia_bootstrap),
         results["ablation"],
         results["cascade"],
         results["poisoning"],
-        fedshard,
-        f"{', '.join(Path(f).name for f in mia_source['folders'])} (K={_k(mia_source)}): " if own else "",
+        labels,
+        f"{', '.join(Path(f).name for f in mia_source['folders'])} (K={_k(mia_source)}, "
+        f"seeds {mia_source.get('seeds')}): "
+        if own
+        else "",
     )
+    if labels == ["fedshard"]:
+        fs_arg = ""
+    elif len(labels) == 1:
+        fs_arg = f' --fedshard "{labels[0]}"'
+    else:
+        fs_arg = f" --fedshard '{json.dumps(labels)}'"
     command = (
         f"python -m fedshard_lightning.experiments.claims --workdir {workdir} --out {out}"
-        + (f' --fedshard "{fedshard}"' if fedshard != "fedshard" else "")
+        + fs_arg
         + (" --small true" if small else "")
+        + (f" --mia_config {mia_config}" if mia_config and own else "")
     )
     text = render_markdown(rows, command)
     Path(out).parent.mkdir(parents=True, exist_ok=True)

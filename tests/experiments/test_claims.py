@@ -152,3 +152,23 @@ def test_r1_rule(fs_steps, verdict):
             r["client_steps"] = fs_steps
     r1 = next(r for r in build_claims(comp, None, None, None, None) if r.claim == "r1")
     assert r1.verdict == verdict
+
+
+def test_a_variant_row_is_judged_beside_the_papers(tmp_path):
+    variant = "fedshard (merge: a1_path, rounds: stage_a2)"
+    comp = _compare(fs_me=4.0)  # the paper's FedShard: above FT's M_e in every seed
+    for s in (0, 1, 2):  # the variant: below FT's and equal to FA's; measured (t, M_p) in seed 0 only
+        kw = {"t": 1.0, "M_p": 5.0} if s == 0 else {}
+        comp["rows"].append(_row(variant, s, M_e_steps=1.0, client_steps=1000.0, r2_steps=3.0, **kw))
+    rows = build_claims(comp, None, _ablation(), CASCADE, POISON, [variant, "fedshard"])
+    by = {r.claim: r for r in rows}
+    ef_v = by[f"E.F. (M_e), FS = {variant} (our variant)"]
+    ef_p = by["E.F. (M_e), FS = fedshard as the paper specifies it"]
+    assert ef_v.verdict == HOLDS and ef_p.verdict == FAILS
+    assert [r.claim for r in rows].index(ef_p.claim) == [r.claim for r in rows].index(ef_v.claim) + 1
+    # each row names the seeds its numbers come from
+    assert "seeds [0, 1, 2]" in ef_v.ours
+    assert "seeds [0]" in by[f"speed vs FA, FS = {variant} (our variant)"].ours
+    # the ablation (the paper's A1 + A2), cascade and uf-DPA rows appear once
+    assert by["ablation"].verdict == HOLDS and "cascaded leaving" in by and "uf-DPA" in by
+    assert len(rows) == 3 + 2 * 7

@@ -177,7 +177,7 @@ def test_compare_config_parses(capsys):
         assert f"fedshard_lightning.unlearning.{name}" in out
 
 
-@pytest.mark.parametrize("name", ["synthetic.yaml", "mia_synthetic.yaml"])
+@pytest.mark.parametrize("name", ["synthetic.yaml", "mia_synthetic.yaml", "mia_memorise.yaml"])
 def test_other_compare_configs_parse(name, capsys):
     from pathlib import Path
 
