@@ -47,6 +47,28 @@ BASE_STATE = ("theta0", "unlearned", "total_client_steps")
 """State every algorithm has; the trainer persists and restores it, subclasses cannot forget it."""
 
 
+def retrain_audit(
+    current: dict[str, Tensor],
+    reference: dict[str, Tensor],
+    unlearned: list[int],
+    tolerance: float,
+    steps: int,
+) -> dict[str, Any]:
+    """An audit's verdict: the deployed model against a retraining from theta^0 without ``unlearned``."""
+    diff = max(float((current[k] - reference[k]).abs().max()) for k in current)
+    summary = (
+        f"final model max|diff| = {diff:.3e} against a retraining from theta^0 without clients "
+        f"{unlearned}, tolerance {tolerance:.1e}; replay cost {steps} client-steps"
+    )
+    return {
+        "passed": diff <= tolerance,
+        "max_abs_diff": diff,
+        "final_max_abs_diff": diff,
+        "lines": [],
+        "summary": summary,
+    }
+
+
 class Algorithm(RecordsInitArgs):
     """Base class of federated (un)learning methods.
 
@@ -356,19 +378,7 @@ class Algorithm(RecordsInitArgs):
         finally:
             self.ctx = ctx
             self.load_state_dict(saved)
-        current = self.current_params()
-        diff = max(float((current[k] - reference[k]).abs().max()) for k in current)
-        summary = (
-            f"final model max|diff| = {diff:.3e} against a retraining from theta^0 without clients "
-            f"{self.unlearned}, tolerance {tolerance:.1e}; replay cost {steps} client-steps"
-        )
-        return {
-            "passed": diff <= tolerance,
-            "max_abs_diff": diff,
-            "final_max_abs_diff": diff,
-            "lines": [],
-            "summary": summary,
-        }
+        return retrain_audit(self.current_params(), reference, list(self.unlearned), tolerance, steps)
 
     def reference_params(self) -> dict[str, Tensor] | None:
         """The current model recomputed by :class:`~.reference.ReferenceReplay`, or None (no reference).

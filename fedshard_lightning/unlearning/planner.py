@@ -33,7 +33,7 @@ from torch import Tensor
 
 from fedshard_lightning.engine import TrainResult
 from fedshard_lightning.errors import CacheError, ConfigError, ContractError
-from fedshard_lightning.unlearning.base import Algorithm, UnlearnResult
+from fedshard_lightning.unlearning.base import Algorithm, UnlearnResult, retrain_audit
 from fedshard_lightning.unlearning.context import LoopEvents
 from fedshard_lightning.unlearning.plan_contract import (
     PLANNER_FORBIDS,
@@ -294,20 +294,13 @@ class Planner(Algorithm):
             reference = self.fit_silently(self.fresh_state(state.theta0, state.unlearned))
         finally:
             self.ctx = ctx
-        current, ref = self.current_params(state), self.current_params(reference)
-        diff = max(float((current[k] - ref[k]).abs().max()) for k in current)
-        summary = (
-            f"final model max|diff| = {diff:.3e} against a retraining from theta^0 without clients "
-            f"{list(state.unlearned)}, tolerance {tolerance:.1e}; replay cost {reference.total_client_steps} "
-            "client-steps"
+        return retrain_audit(
+            self.current_params(state),
+            self.current_params(reference),
+            list(state.unlearned),
+            tolerance,
+            reference.total_client_steps,
         )
-        return {
-            "passed": diff <= tolerance,
-            "max_abs_diff": diff,
-            "final_max_abs_diff": diff,
-            "lines": [],
-            "summary": summary,
-        }
 
     def fit(self) -> dict[str, Tensor]:
         """Not a planner's: the trainer's loop (``fedshard_lightning.trainer.stage_loop``) runs the plans."""
