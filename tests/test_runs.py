@@ -191,3 +191,22 @@ def test_runs_finds_runs_at_any_depth_and_shows_a_locked_unfinished_fit_as_runni
     assert states["version_10"].startswith("interrupted")
     assert Path(list_runs(run_root)[1]["run"]).name == "version_2"
     assert list_runs(run_root)[1]["state"].startswith("interrupted"), "the lock is gone with its process"
+
+
+def test_runs_lists_a_run_that_kept_only_its_final_model(run_root, capsys):
+    main(
+        [
+            *("fit", *TINY, "--trainer.enable_progress_bar", "false", "--trainer.enable_fairness", "false"),
+            *("--trainer.enable_checkpointing", "false", "--trainer.default_root_dir", str(run_root)),
+        ]
+    )
+    (row,) = list_runs(run_root)
+    metrics = json.loads((run_root / "version_0" / "metrics.json").read_text())
+    assert row["state"].startswith("complete, final model only")
+    assert (row["method"], row["K"], row["accuracy"]) == ("fedshard", 8, f"{metrics['test_accuracy']:.4f}")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        main(["unlearn", "--ckpt_path", str(run_root / "version_0"), "--clients", "[1]"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and "enable_checkpointing false" in err[-1]

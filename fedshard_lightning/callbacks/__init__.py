@@ -6,7 +6,9 @@ says which ones every trainer adds. The design card's four:
 * :class:`StageMergeLogger`: every merge of FedShard (groups, alphas, rounds) to ``merges.jsonl``
   and ``merge/...`` scalars, so the shard tree grows in the loggers.
 * :class:`FLCacheCheckpoint`: the loop commits FLCache itself (atomic, one version per stage and
-  per request); this callback verifies each commit and keeps the models of the newest versions.
+  per request); this callback verifies each commit, keeps the models of the newest versions and
+  says what the deployed model is exported as (on by default; ``enable_checkpointing: false``
+  drops it and keeps only the final model).
 * :class:`UnlearningReplay`: every client unlearned alone after ``fit``: measured costs, M_e, M_p,
   membership inference, plots, ``RUN/fairness/``.
 * :class:`FairnessLogger`: M_e from the predicted costs and M_p within a replay budget, after
@@ -38,12 +40,17 @@ __all__ = [
 
 
 def default_callbacks(
-    user: list[FederatedCallback], progress_bar: bool, fairness: bool = True
+    user: list[FederatedCallback],
+    progress_bar: bool,
+    fairness: bool = True,
+    checkpoint: FLCacheCheckpoint | None = None,
 ) -> list[FederatedCallback]:
-    """Progress (when enabled), metrics and fairness logging (when enabled) unless the user passed their own, then the user's.
+    """The defaults the user did not pass their own of, then the user's.
 
-    An :class:`UnlearningReplay` reports fairness itself (under the same ``fairness/`` names), so
-    it takes the default :class:`FairnessLogger`'s place.
+    Progress (when enabled), metrics, stage-merge logging, the trainer's ``checkpoint`` (its
+    :class:`FLCacheCheckpoint`, when not among the user's; ``None`` with checkpointing off) and
+    fairness logging (when enabled). An :class:`UnlearningReplay` reports fairness itself
+    (under the same ``fairness/`` names), so it takes the default :class:`FairnessLogger`'s place.
     """
     kinds = {type(c) for c in user}
     out: list[FederatedCallback] = []
@@ -53,6 +60,10 @@ def default_callbacks(
         out.append(TaskProgressCallback())
     if MetricsLogger not in kinds:
         out.append(MetricsLogger())
+    if StageMergeLogger not in kinds:
+        out.append(StageMergeLogger())
+    if checkpoint is not None and not any(c is checkpoint for c in user):
+        out.append(checkpoint)
     if fairness and not kinds & {FairnessLogger, UnlearningReplay}:
         out.append(FairnessLogger())
     return out + list(user)

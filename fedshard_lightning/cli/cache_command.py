@@ -56,6 +56,11 @@ def _cache_of(ckpt_path: str) -> tuple[Path, FLCache]:
         )
     check_real_folders(run)  # gc removes blobs: never through a link
     cache = FLCache(run / "cache")
+    if cache.final_only() is not None:
+        raise CacheError(
+            f"{run} kept only its final model (fit with trainer.enable_checkpointing false): its FLCache "
+            "holds nothing to collect or verify"
+        )
     if not cache.exists():
         raise CacheError(f"{run} has no committed FLCache (cache/CURRENT); nothing to do")
     return run, cache

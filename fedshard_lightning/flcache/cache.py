@@ -4,6 +4,7 @@ Layout of ``RUN_DIR/cache`` (format 2, content-addressed)::
 
     CURRENT                   {"version": "0014-unlearn-0002", "manifest_sha256": "..."}
     PRUNED                    versions whose models ``cache gc`` dropped (their manifests stay)
+    FINAL_ONLY                only in a cache that ``drop`` emptied: why (enable_checkpointing false)
     blobs/ab/ab12...ef        one safetensors file per blob, named by the SHA-256 of its bytes
     0001-stage-1/manifest.json   one folder per committed version, holding only its manifest
     0002-stage-2/manifest.json ...
@@ -147,6 +148,14 @@ class FLCache:
     def gc(self, keep: int) -> dict[str, Any]:
         """Drop the blobs that no kept version uses (:meth:`Retention.gc`)."""
         return self.retention.gc(keep)
+
+    def drop(self, note: dict[str, Any]) -> int:
+        """Remove every version and blob, leaving ``note`` (:meth:`Retention.drop`); the bytes removed."""
+        return self.retention.drop(note)
+
+    def final_only(self) -> dict[str, Any] | None:
+        """The note of a dropped cache, else ``None`` (:meth:`CacheReader.final_only`)."""
+        return self.reader.final_only()
 
     # Files of a version.
 

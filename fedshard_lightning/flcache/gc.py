@@ -1,8 +1,14 @@
-"""``FLCache.gc``: drop the models of old versions, keep every manifest, stack index and request log."""
+"""``FLCache.gc`` and ``FLCache.drop``: what of the cache a run keeps.
+
+``gc`` drops the models of old versions and keeps every manifest, stack index and request log;
+``drop`` keeps nothing but a note (a fit with ``trainer.enable_checkpointing: false`` keeps only
+its final model, outside the cache).
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
@@ -14,7 +20,10 @@ if TYPE_CHECKING:
     from fedshard_lightning.flcache.stacks import StackStore
 from fedshard_lightning.flcache.io import BLOBS, _fsync_dir, atomic_write_json, remove_stale_tmp
 
-__all__ = ["Retention"]
+__all__ = ["FINAL_ONLY", "Retention"]
+
+FINAL_ONLY = "FINAL_ONLY"
+"""The note a dropped cache leaves (``Retention.drop``): why it holds nothing, for the commands that need it."""
 
 
 class Retention:
@@ -100,3 +109,27 @@ class Retention:
                 "kept_blobs": len(live),
                 "kept_bytes": kept_bytes,
             }
+
+    def drop(self, note: dict[str, Any]) -> int:
+        """Remove every version and blob, leaving ``note`` in ``FINAL_ONLY``; return the bytes removed.
+
+        The note is written atomically first, then ``CURRENT`` goes, then the versions and blobs: a
+        crash at any point leaves a cache that every command reads as dropped (the note names why),
+        never one that looks intact but misses blobs. ``FINGERPRINT`` stays (a resume is refused by
+        the note, not retrained over).
+        """
+        with self.lock():
+            atomic_write_json(self.reader.root / FINAL_ONLY, note)
+            removed = 0
+            for name in ("CURRENT", "PRUNED"):
+                path = self.reader.root / name
+                if path.is_file():
+                    removed += path.stat().st_size
+                    path.unlink()
+            _fsync_dir(self.reader.root)
+            for entry in sorted(self.reader.root.iterdir()):
+                if entry.is_dir() and not entry.is_symlink():
+                    removed += sum(f.stat().st_size for f in entry.rglob("*") if f.is_file())
+                    shutil.rmtree(entry)
+            _fsync_dir(self.reader.root)
+            return removed

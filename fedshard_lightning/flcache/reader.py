@@ -39,6 +39,17 @@ class CacheReader:
         """True when a committed version exists."""
         return (self.root / "CURRENT").is_file()
 
+    def final_only(self) -> dict[str, Any] | None:
+        """The note of a cache that ``drop`` emptied (the run kept only its final model), else ``None``."""
+        path = self.root / "FINAL_ONLY"
+        if not path.is_file():
+            return None
+        try:
+            data = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError, OSError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
     def current(self) -> str:
         """Name of the current version."""
         ptr = self.read_json(self.root / "CURRENT")

@@ -108,8 +108,13 @@ def _checkpoint_is_stale(path: Path, params: dict[str, Tensor]) -> bool:
     )
 
 
-def stale_files(run_dir: Path, params: dict[str, Tensor], device: torch.device) -> list[str]:
+def stale_files(
+    run_dir: Path, params: dict[str, Tensor], device: torch.device, ckpt: bool = True
+) -> list[str]:
     """The deployed files (``model.safetensors``, ``model.ckpt``) that differ from ``params`` or are missing.
+
+    ``ckpt`` false: the run exports no ``model.ckpt`` (``FLCacheCheckpoint.save_ckpt``), so one
+    that is there is stale whatever it holds (it would stand for an older model).
 
     A symbolic link counts as stale: the deployed model is a file of the run, and a link would let a
     file outside it (which anyone may change later) stand for the model. The atomic rewrite replaces
@@ -117,6 +122,8 @@ def stale_files(run_dir: Path, params: dict[str, Tensor], device: torch.device) 
     """
     model, checkpoint = run_dir / "model.safetensors", run_dir / CHECKPOINT
     stale = ["model.safetensors"] if model.is_symlink() or model_is_stale(model, params, device) else []
+    if not ckpt:
+        return stale + ([CHECKPOINT] if checkpoint.exists() or checkpoint.is_symlink() else [])
     return stale + (
         [CHECKPOINT] if checkpoint.is_symlink() or _checkpoint_is_stale(checkpoint, params) else []
     )

@@ -206,6 +206,35 @@ class RunStore:
                     f"({first_difference({key: then}, {key: now})}); use {fix}"
                 )
 
+    def refuse_final_only(self, command: str) -> None:
+        """Stop ``command`` in one line on a run that kept only its final model (an emptied cache)."""
+        if self.cache.final_only() is None:
+            return
+        run = self.cache.root.parent
+        why = {
+            "fit": "it is complete already; its model is model.safetensors",
+            "unlearn": "exact unlearning retrains from the FLCache's stage models",
+            "audit": "the audit replays the FLCache's stages",
+        }.get(command, "this command reads the FLCache")
+        raise CacheError(
+            f"{run} kept only its final model (fit with trainer.enable_checkpointing false), so {command} "
+            f"cannot run: {why}; fit again with enable_checkpointing true (the default) to unlearn, or "
+            "use test / load_model on the final model"
+        )
+
+    def drop_cache(self, algorithm: Algorithm) -> int:
+        """Empty the cache of a complete fit that keeps only its final model; the bytes freed (rank zero)."""
+        if not self.write:
+            return 0
+        note = {
+            "enable_checkpointing": False,
+            "algorithm": algorithm.name,
+            "num_clients": algorithm.num_clients,
+            "client_steps": int(algorithm.total_client_steps),
+            "complete": True,
+        }
+        return self.cache.drop(note)
+
     def commit(
         self, algorithm: Algorithm, label: str, complete: bool, vectorize_mode: str | None
     ) -> str | None:

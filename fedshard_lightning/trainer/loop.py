@@ -281,7 +281,7 @@ def run_fit(trainer: Any, run_dir: Path, resume: bool, exclude: list[int]) -> di
         trainer._print(f"fit: {run_dir} was already complete; nothing was trained (its metrics.json stands)")
         metrics = recorded
     if trainer.is_global_zero:
-        if recorded is None or stale_files(run_dir, params, trainer.device):
+        if recorded is None or stale_files(run_dir, params, trainer.device, trainer.save_ckpt):
             trainer._write_model(params)
         if recorded is None:
             atomic_write_json(run_dir / "metrics.json", metrics)
@@ -290,6 +290,13 @@ def run_fit(trainer: Any, run_dir: Path, resume: bool, exclude: list[int]) -> di
         for name, text in alg.run_files().items():
             (run_dir / name).write_text(text)
     call_hook(trainer.fabric, "on_fit_end", trainer.view(), metrics=metrics)
+    if trainer.checkpoint_callback is None:  # enable_checkpointing false: the final model only
+        freed = trainer.store.drop_cache(alg)
+        trainer._print(
+            f"kept only the final model (trainer.enable_checkpointing false): removed the FLCache "
+            f"({freed / 2**20:.1f} MiB); unlearn and audit need it"
+        )
+        trainer.fabric.barrier()
     finish_loggers(
         trainer.fabric.loggers, trainer.wandb, run_dir, trainer.log_step_start + len(trainer.history) + 1
     )
@@ -385,12 +392,13 @@ def reproduce_numerics(trainer: Any, run_dir: Path) -> None:
             )
 
 
-def load_run(trainer: Any, run_dir: Path) -> None:
+def load_run(trainer: Any, run_dir: Path, command: str) -> None:
     """After setup: restore a finished run's state (fingerprint checked), then repair what a crash left.
 
     The cache is the truth: ``model.safetensors`` is rewritten when it differs from the cache's
     current model, and reports or journal lines of committed requests are re-created.
     """
+    trainer.store.refuse_final_only(command)
     if not trainer.store.cache.exists():
         current = trainer.store.cache.root / "CURRENT"
         if current.exists() or current.is_symlink():  # there, but not a regular file
@@ -413,7 +421,7 @@ def load_run(trainer: Any, run_dir: Path) -> None:
         return
     # The cache is the truth: re-create what a crash after a commit may have left stale.
     params = trainer.algorithm.current_params()
-    stale = stale_files(run_dir, params, trainer.device)
+    stale = stale_files(run_dir, params, trainer.device, trainer.save_ckpt)
     if stale:
         trainer._write_model(params)  # never silently: a reader learns that the file had drifted
         trainer._print(

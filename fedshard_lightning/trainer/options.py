@@ -13,6 +13,7 @@ from typing import Any
 import lightning as L
 from lightning.fabric.loggers import Logger
 
+from fedshard_lightning.callbacks.flcache_checkpoint import FLCacheCheckpoint
 from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.engine.grad_clip import ALGORITHMS
 from fedshard_lightning.engine.optim import OptimizerSpec, state_kept
@@ -27,12 +28,37 @@ __all__ = [
     "check_optimizer_state",
     "check_options",
     "check_tolerance",
+    "checkpoint_callback",
 ]
 
 
 def as_list(value: Any) -> list[Any]:
     """None -> [], a list or tuple -> a list, anything else -> a one-item list."""
     return [] if value is None else (list(value) if isinstance(value, (list, tuple)) else [value])
+
+
+def checkpoint_callback(callbacks: list[Any], enable_checkpointing: bool) -> FLCacheCheckpoint | None:
+    """The trainer's one :class:`FLCacheCheckpoint`: the user's, a default one, or none with checkpointing off.
+
+    As Lightning refuses a ``ModelCheckpoint`` beside ``enable_checkpointing=False``, a checkpoint
+    callback that would never act is refused, and so are two (which one would set the exports?).
+    """
+    if not isinstance(enable_checkpointing, bool):
+        raise ConfigError(f"trainer.enable_checkpointing={enable_checkpointing!r}: give true or false")
+    given = [c for c in callbacks if isinstance(c, FLCacheCheckpoint)]
+    if given and not enable_checkpointing:
+        raise ConfigError(
+            "trainer.enable_checkpointing=false, but trainer.callbacks lists an FLCacheCheckpoint: remove "
+            "one of the two (false keeps only the final model)"
+        )
+    if len(given) > 1:
+        raise ConfigError(
+            f"trainer.callbacks lists {len(given)} FLCacheCheckpoint callbacks: give one (it sets what every "
+            "commit verifies, keeps and exports)"
+        )
+    if given:
+        return given[0]
+    return FLCacheCheckpoint() if enable_checkpointing else None
 
 
 def check_options(

@@ -23,7 +23,7 @@ import torch
 from lightning.fabric.loggers import Logger
 from torch import Tensor
 
-from fedshard_lightning.callbacks import FederatedCallback, default_callbacks
+from fedshard_lightning.callbacks import FederatedCallback, FLCacheCheckpoint, default_callbacks
 from fedshard_lightning.callbacks.view import RunView
 from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.engine.evaluate import Evaluator
@@ -49,6 +49,7 @@ from fedshard_lightning.trainer.options import (
     check_optimizer_state,
     check_options,
     check_tolerance,
+    checkpoint_callback,
 )
 from fedshard_lightning.trainer.requests import apply_request
 from fedshard_lightning.unlearning.base import Algorithm, check_implemented
@@ -67,8 +68,10 @@ class FederatedTrainer:
         strategy: Fabric strategy.
         precision: Fabric precision, e.g. ``32-true`` or ``64-true`` (float64, for exactness checks);
             ``*-mixed`` is refused (the engine does not autocast).
-        callbacks: Extra federated callbacks; progress, metrics and fairness logging are included
-            (FLCache commits are the trainer's own, not a callback).
+        callbacks: Extra federated callbacks; progress, metrics, stage-merge, FLCache checkpointing
+            and fairness logging are included unless listed here with settings of their own
+            (FLCache commits are the trainer's own; :class:`~fedshard_lightning.callbacks.FLCacheCheckpoint`
+            sets what each commit verifies, keeps and exports).
         loggers: Extra Fabric loggers; a CSV logger into the run directory is always included.
         wandb: Also log to Weights & Biases, offline unless ``wandb_mode`` says otherwise.
         wandb_project: W&B project name.
@@ -84,6 +87,11 @@ class FederatedTrainer:
         memory_budget_mb: Memory the stacked clients of a chunk may use (estimate).
         eval_every_n_rounds: Test-set evaluation period in rounds (0: only at the end).
         enable_progress_bar: Show a progress bar on terminals.
+        enable_checkpointing: Keep the FLCache that unlearning retrains from (default), through the
+            trainer's :class:`~fedshard_lightning.callbacks.FLCacheCheckpoint` (``checkpoint_callback``).
+            False, as in Lightning: the fit keeps only its final model (``model.safetensors``,
+            ``model.ckpt``); it still commits each stage while it trains, so a killed fit resumes,
+            and empties the cache once it is complete. ``unlearn`` and ``audit`` then refuse.
         enable_fairness: Log M_e and M_p after every fit and unlearn
             (:class:`~fedshard_lightning.callbacks.FairnessLogger`; list one in ``callbacks`` to
             configure it).
@@ -139,6 +147,7 @@ class FederatedTrainer:
         memory_budget_mb: float = 2048.0,
         eval_every_n_rounds: int = 1,
         enable_progress_bar: bool = True,
+        enable_checkpointing: bool = True,
         enable_fairness: bool = True,
         num_threads: int | None = None,
         seed: int = 0,
@@ -173,6 +182,9 @@ class FederatedTrainer:
             precision,
         )
         self.user_callbacks = as_list(callbacks)
+        self.checkpoint_callback: FLCacheCheckpoint | None = checkpoint_callback(
+            self.user_callbacks, enable_checkpointing
+        )
         self.user_loggers = as_list(loggers)
         self.wandb, self.wandb_project, self.wandb_mode = wandb, wandb_project, wandb_mode
         self.wandb_group, self.tensorboard = wandb_group, bool(tensorboard)
@@ -256,7 +268,7 @@ class FederatedTrainer:
         # Fabric takes loggers and callbacks at construction, but the run directory (where the
         # loggers write) is only known after launch on multi-process runs: attach them now.
         self._callbacks = default_callbacks(
-            self.user_callbacks, self.enable_progress_bar, self.enable_fairness
+            self.user_callbacks, self.enable_progress_bar, self.enable_fairness, self.checkpoint_callback
         )
         self.fabric._callbacks = self._callbacks
         resume = command == "fit" and (run_dir / "cache" / "CURRENT").exists()
@@ -332,7 +344,15 @@ class FederatedTrainer:
         """The deployed model: ``model.safetensors`` and the Lightning checkpoint ``model.ckpt``."""
         self._set_params(params)
         save_model(self.run_dir / "model.safetensors", self.module.state_dict())
-        save_checkpoint(self.run_dir / CHECKPOINT, self.module)
+        if self.save_ckpt:
+            save_checkpoint(self.run_dir / CHECKPOINT, self.module)
+        else:  # an older export would stand for another model
+            (self.run_dir / CHECKPOINT).unlink(missing_ok=True)
+
+    @property
+    def save_ckpt(self) -> bool:
+        """Whether the deployed model is also written as ``model.ckpt`` (the checkpoint callback's ``save_ckpt``)."""
+        return self.checkpoint_callback is None or self.checkpoint_callback.save_ckpt
 
     def _print(self, text: str) -> None:
         if self.is_global_zero:
@@ -410,6 +430,8 @@ class FederatedTrainer:
             with run_lock(run_dir):  # one process trains a run: a second resume stops in one line
                 self._setup(model, datamodule, run_dir, "fit")
                 self.store.claim(resume)
+                if resume:
+                    self.store.refuse_final_only("fit")
                 self._print(f"run directory: {run_dir}")  # once accepted: a refused fit leaves none
                 return run_fit(self, run_dir, resume, exclude_clients or [])
         except BaseException as e:
@@ -427,7 +449,7 @@ class FederatedTrainer:
     ) -> None:
         run_dir = existing_run_dir(ckpt_path, command)
         self._setup(model, datamodule, run_dir, command)
-        load_run(self, run_dir)
+        load_run(self, run_dir, command)
         self.log_step_start = next_log_step(run_dir)
 
     @keep_caller_state
