@@ -120,7 +120,9 @@ def test_a_fit_without_checkpointing_keeps_only_its_final_model_and_unlearn_refu
                 MLP(hidden=(8,), lr=0.1), small_synthetic(), ckpt_path=str(run), **args
             )
     with pytest.raises(CacheError, match=r"so fit cannot run: it is complete already"):
-        _trainer(run_root / "final", None).fit(MLP(hidden=(8,), lr=0.1), small_synthetic(), ckpt_path=str(run))
+        _trainer(run_root / "final", None).fit(
+            MLP(hidden=(8,), lr=0.1), small_synthetic(), ckpt_path=str(run)
+        )
     assert _sha(run / "model.safetensors") == _sha(plain.run_dir / "model.safetensors")
 
 
