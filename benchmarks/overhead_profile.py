@@ -39,7 +39,7 @@ from fedshard_lightning.unlearning import FedAvg, FedShard
 
 # (label, file suffix, function name): cumulative time of each is reported.
 PARTS = [
-    ("fit (timed span)", "trainer/loop.py", "run_fit"),
+    ("fit (timed span)", "trainer/trainer.py", "_run_fit"),
     ("engine.train_groups", "engine/engine.py", "train_groups"),
     ("  lean rounds (run_lean)", "engine/lean_rounds.py", "run_lean"),
     ("    lean segment setup", "engine/lean_rounds.py", "__init__"),

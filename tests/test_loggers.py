@@ -236,24 +236,24 @@ def test_a_request_killed_after_its_commit_is_logged_by_the_next_unlearn(run_roo
     Reference: the request reports in ``unlearning/NNNN/report.json`` and the rows read back with
     the csv module: one row per request, in request order, at consecutive steps after the fit.
     """
-    import fedshard_lightning.trainer.requests as requests
+    import fedshard_lightning.trainer.trainer as trainer_module
 
     trainer, model, data = _objects(run_root)
     trainer.fit(model, data)
     run = trainer.run_dir
     last_fit_step = max(int(float(r["step"])) for r in _rows(run / "logs" / "metrics.csv"))
-    real_hook = requests.call_hook
+    real_hook = trainer_module.call_hook
 
     def killed_at_unlearn_end(fabric, hook, *args, **kwargs):
         if hook == "on_unlearn_end":
             raise _Killed
         return real_hook(fabric, hook, *args, **kwargs)
 
-    monkeypatch.setattr(requests, "call_hook", killed_at_unlearn_end)
+    monkeypatch.setattr(trainer_module, "call_hook", killed_at_unlearn_end)
     trainer, model, data = _objects(run_root)
     with pytest.raises(_Killed):
         trainer.unlearn(model, data, ckpt_path=str(run), clients=[2])
-    monkeypatch.setattr(requests, "call_hook", real_hook)
+    monkeypatch.setattr(trainer_module, "call_hook", real_hook)
     assert (run / "unlearning" / "0001" / "report.json").is_file(), "the request was committed"
 
     for clients in ([2], [5]):  # the repeat is a no-op; a new request follows

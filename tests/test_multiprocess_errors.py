@@ -115,7 +115,7 @@ def test_ddp_bad_input_is_one_line_and_leaves_no_run_dir(tmp_path: Path):
 
 _KILLED_WORKER = """
 import os, signal, time
-from fedshard_lightning.trainer.loop import launch_fabric
+from fedshard_lightning.trainer.fabric import launch_fabric
 from fedshard_lightning.launch.exits import one_line_errors
 
 with one_line_errors():
@@ -170,7 +170,7 @@ def test_gathering_prints_no_deprecation_warning(tmp_path, recwarn):
     import lightning as L
     import torch
 
-    from fedshard_lightning.trainer.loop import all_gather
+    from fedshard_lightning.trainer.fabric import all_gather
 
     fabric = L.Fabric(accelerator="cpu", devices=1, strategy="ddp")
     fabric._launched = True  # the process group below stands in for the launch

@@ -7,7 +7,7 @@ after the run's last step, prefixed ``unlearn/``.
 Every round is one row, but the loggers write their files (``save``) only at every stage end, at
 most every ``flush_every_s`` seconds in between, and when the fit ends or stops: a row costs a dict
 in memory, not a file open per round inside the timed training loop. A fit that stops on an
-exception still writes its rows (``fedshard_lightning.trainer.loop``).
+exception still writes its rows (``fedshard_lightning.trainer.trainer``).
 """
 
 from __future__ import annotations

@@ -152,7 +152,7 @@ def logged_requests(run_dir: Path) -> set[int]:
     """Numbers of the unlearning requests that have a row in the run's CSV files.
 
     A process killed between a request's cache commit and its row leaves the request applied
-    but unlogged; the next ``unlearn`` logs it then (:func:`~fedshard_lightning.trainer.requests.apply_request`).
+    but unlogged; the next ``unlearn`` logs it then (:meth:`~fedshard_lightning.trainer.trainer.FederatedTrainer.unlearn`).
     """
     return set(_ints(_csv_rows(run_dir), "unlearn/request"))
 

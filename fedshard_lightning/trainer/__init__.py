@@ -1,10 +1,10 @@
 """The trainer: :class:`FederatedTrainer` owns Fabric, the stage loop, every commit and check.
 
 :mod:`~fedshard_lightning.trainer.trainer` (the class and its commands), its options
-(:mod:`~fedshard_lightning.trainer.options`), the loop events and commits
-(:mod:`~fedshard_lightning.trainer.loop`), unlearning requests
-(:mod:`~fedshard_lightning.trainer.requests`), ``test`` and ``audit``
-(:mod:`~fedshard_lightning.trainer.commands`) and ``fast_dev_run``
+(:mod:`~fedshard_lightning.trainer.options`), Fabric's launch
+(:mod:`~fedshard_lightning.trainer.fabric`), a planner's stage loop
+(:mod:`~fedshard_lightning.trainer.stage_loop`), the checks and reports of unlearning requests
+(:mod:`~fedshard_lightning.trainer.requests`) and ``fast_dev_run``
 (:mod:`~fedshard_lightning.trainer.dev_run`). ``FederatedTrainer`` is imported on first use.
 """
 

@@ -12,7 +12,7 @@ of the method's::
 The method cannot forget a commit, lose a field, or miscount the fit: each is the loop's. The
 checks around ``next_stage``/``absorb``/``current_params`` (``unlearning/plan_contract.py``)
 stop a mistake inside them when the call returns. Unlearning requests go through
-``trainer.requests.apply_request`` as for every method: the planner's ``what_if`` is the fold of
+``FederatedTrainer.unlearn`` as for every method: the planner's ``what_if`` is the fold of
 ``absorb`` over ``plan_unlearn``'s plans; the request's costs are those of the plans.
 """
 

@@ -4,8 +4,8 @@ The subcommands of the CLI are its methods: :meth:`~FederatedTrainer.fit`,
 :meth:`~FederatedTrainer.test`, :meth:`~FederatedTrainer.unlearn`, :meth:`~FederatedTrainer.audit`.
 It composes small objects that each own one concern: the run directory with its lock and journal
 (:mod:`fedshard_lightning.run.directory`), the fingerprint (:mod:`fedshard_lightning.run.fingerprint`), the
-cache commits and loads (:mod:`fedshard_lightning.run.store`), the loop events
-(:mod:`fedshard_lightning.trainer.loop`), request checks and reports (:mod:`fedshard_lightning.trainer.requests`)
+cache commits and loads (:mod:`fedshard_lightning.run.store`), the Fabric launch
+(:mod:`fedshard_lightning.trainer.fabric`), request checks and reports (:mod:`fedshard_lightning.trainer.requests`)
 and the loggers (:mod:`fedshard_lightning.loggers.run_loggers`). The algorithm is a policy over explicit state;
 it never sees the trainer.
 """
@@ -15,6 +15,8 @@ from __future__ import annotations
 import contextlib
 import shutil
 import sys
+import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -24,24 +26,46 @@ from lightning.fabric.loggers import Logger
 from torch import Tensor
 
 from fedshard_lightning.callbacks import FederatedCallback, FLCacheCheckpoint, default_callbacks
+from fedshard_lightning.callbacks.dispatch import call_hook
+from fedshard_lightning.callbacks.metrics_logger import request_row
 from fedshard_lightning.callbacks.view import RunView
 from fedshard_lightning.data.base import FederatedDataModule
+from fedshard_lightning.engine import FederatedEngine, Group, LocalSchedule, RoundInfo
 from fedshard_lightning.engine.evaluate import Evaluator
 from fedshard_lightning.engine.grad_clip import grad_clip
-from fedshard_lightning.errors import ConfigError, FedShardError
+from fedshard_lightning.engine.optim import state_kept
+from fedshard_lightning.errors import CacheError, ConfigError, FedShardError
 from fedshard_lightning.flcache.cache import FLCache
+from fedshard_lightning.flcache.io import atomic_write_bytes, atomic_write_json, read_json_object
+from fedshard_lightning.flcache.schema import schema_of
 from fedshard_lightning.loggers.reporter import RunReporter
-from fedshard_lightning.loggers.run_loggers import LoggerSettings, next_log_step, run_hparams
+from fedshard_lightning.loggers.run_loggers import (
+    LoggerSettings,
+    finish_loggers,
+    logged_requests,
+    next_log_step,
+    run_hparams,
+)
+from fedshard_lightning.loggers.wandb_segments import close_wandb_run
 from fedshard_lightning.module import bind_model, param_dtype
-from fedshard_lightning.run.checkpoint import CHECKPOINT, save_checkpoint
-from fedshard_lightning.run.deployed import save_model
-from fedshard_lightning.run.directory import existing_run_dir, new_run_dir, resume_hint, run_lock
+from fedshard_lightning.run import numerics
+from fedshard_lightning.run.checkpoint import CHECKPOINT, resolved_config, save_checkpoint, stale_files
+from fedshard_lightning.run.deployed import load_model, save_model
+from fedshard_lightning.run.directory import (
+    Journal,
+    check_real_folders,
+    existing_run_dir,
+    new_run_dir,
+    recover_reports,
+    resume_hint,
+    run_lock,
+)
 from fedshard_lightning.run.fingerprint import body_fingerprint, readable_body
 from fedshard_lightning.run.numerics import keep_caller_state
+from fedshard_lightning.run.request_history import check_history
 from fedshard_lightning.run.store import RunStore
-from fedshard_lightning.trainer.commands import run_audit, run_test
 from fedshard_lightning.trainer.dev_run import check_dev_run, dev_folder, dev_line, train_one_round
-from fedshard_lightning.trainer.loop import TrainerEvents, check_same_seed, launch_fabric, load_run, run_fit
+from fedshard_lightning.trainer.fabric import all_gather, check_same_seed, launch_fabric
 from fedshard_lightning.trainer.options import (
     as_list,
     check_devices,
@@ -51,11 +75,146 @@ from fedshard_lightning.trainer.options import (
     check_tolerance,
     checkpoint_callback,
 )
-from fedshard_lightning.trainer.requests import apply_request
+from fedshard_lightning.trainer.requests import (
+    check_request,
+    request_report,
+    request_start_line,
+    validate_clients,
+    validate_exclude,
+)
+from fedshard_lightning.trainer.stage_loop import StageLoop
 from fedshard_lightning.unlearning.base import Algorithm, check_implemented
+from fedshard_lightning.unlearning.context import AlgorithmContext, LoopEvents
+from fedshard_lightning.unlearning.contract import check_cost, check_params
 from fedshard_lightning.unlearning.planner import Planner, check_planner
+from fedshard_lightning.unlearning.reference import certify
 
-__all__ = ["FederatedTrainer"]
+__all__ = ["FederatedTrainer", "TrainerEvents", "sample_weighted_average"]
+
+
+def sample_weighted_average(
+    state: dict[str, Tensor], groups: Sequence[Sequence[int]], sizes: Sequence[int]
+) -> dict[str, Tensor]:
+    """Average of stacked group models ``[G, ...]``, each weighted by its clients' training samples.
+
+    Per-round and per-stage test accuracy both use it, so the two curves describe the same model.
+    """
+    if len(groups) == 1:  # weight exactly 1.0: the same bits without the arithmetic
+        return {k: v[0] for k, v in state.items()}
+    w = torch.tensor([float(sum(sizes[c] for c in g)) for g in groups], dtype=torch.float64)
+    w = w / w.sum()
+    return {k: (v * w.to(v).view(-1, *[1] * (v.ndim - 1))).sum(0) for k, v in state.items()}
+
+
+class TrainerEvents(LoopEvents):
+    """Loop events of one trainer call (``fit``); see the module docstring."""
+
+    def __init__(self, trainer: FederatedTrainer) -> None:
+        self.trainer = trainer
+        self.global_round = 0
+        self.client_steps = 0
+
+    def context(self) -> AlgorithmContext:
+        """What the algorithm sees of this trainer's run: engines, client sizes, seed, device, these events."""
+        t = self.trainer
+
+        def make_engine(schedule: LocalSchedule, client_fraction: float) -> FederatedEngine:
+            engine = FederatedEngine(
+                t.module,
+                t.datamodule,
+                schedule,
+                seed=t.seed,
+                client_fraction=client_fraction,
+                vectorize=t.vectorize,
+                max_chunk_clients=t.max_chunk_clients,
+                memory_budget_mb=t.memory_budget_mb,
+                batch_invariant=t.batch_invariant,
+                compile=t.compile,
+                gradient_clip_val=t.gradient_clip_val,
+                gradient_clip_algorithm=t.gradient_clip_algorithm,
+                optimizer_state=t.optimizer_state,
+            )
+            engine.on_mode = t._print
+            engine.on_probe = t._print
+            return engine
+
+        return AlgorithmContext(
+            make_engine=make_engine,
+            client_sizes=t.client_sizes,
+            seed=t.seed,
+            device=t.device,
+            events=self,
+            world_size=t.fabric.world_size,
+            global_rank=t.fabric.global_rank,
+            all_gather=all_gather(t.fabric),
+        )
+
+    def stage_start(self, stage: int, groups: Sequence[Group]) -> None:
+        """Fire ``on_stage_start``."""
+        call_hook(self.trainer.fabric, "on_stage_start", self.trainer.view(), stage=stage, groups=groups)
+
+    def stage_merge(self, stage: int, groups: Any, alphas: Any, rounds: Any) -> None:
+        """Fire ``on_stage_merge``."""
+        t = self.trainer
+        call_hook(
+            t.fabric, "on_stage_merge", t.view(), stage=stage, groups=groups, alphas=alphas, rounds=rounds
+        )
+
+    def round_end(self, info: RoundInfo, state: dict[str, Tensor], groups: Sequence[Group]) -> None:
+        """Measure the round, then fire ``on_round_end``."""
+        t = self.trainer
+        self.client_steps += info.client_steps
+        sizes = t.client_sizes
+        active_w = [sum(sizes[c] for c in p) for p in info.participants]
+        train_loss = sum(w * loss for w, loss in zip(active_w, info.mean_loss)) / max(sum(active_w), 1)
+        metrics: dict[str, float] = {
+            "stage": float(info.stage),
+            "round": float(info.round),
+            "train_loss": float(train_loss),
+            "participants": float(sum(len(p) for p in info.participants)),
+            "client_steps": float(self.client_steps),
+            "round_seconds": info.seconds,
+        }
+        self.global_round += 1
+        if t.eval_every_n_rounds and self.global_round % t.eval_every_n_rounds == 0:
+            avg = sample_weighted_average(state, [g.clients for g in groups], sizes)
+            acc, loss = t.evaluate(avg)
+            metrics.update(test_accuracy=acc, test_loss=loss)
+        for name, value in info.metrics.items():  # what training_step logged (engine names win)
+            metrics.setdefault(name, value)
+        metrics["global_round"] = float(self.global_round)
+        t.history.append(metrics)
+        call_hook(t.fabric, "on_round_end", t.view(), info=info, metrics=metrics)
+
+    def stage_end(self, stage: int, metrics: dict[str, float] | None = None) -> None:
+        """Commit the stage (rank zero), wait for every rank, then fire ``on_stage_end``."""
+        self.checkpoint(f"stage-{stage}")
+        call_hook(
+            self.trainer.fabric, "on_stage_end", self.trainer.view(), stage=stage, metrics=metrics or {}
+        )
+
+    def groups_trained(self, stage: int, groups: Sequence[Group], client_steps: int) -> None:
+        """Fire ``on_groups_trained`` (progress of unlearn and audit)."""
+        t = self.trainer
+        call_hook(
+            t.fabric, "on_groups_trained", t.view(), stage=stage, groups=groups, client_steps=client_steps
+        )
+
+    def checkpoint(self, label: str, complete: bool | None = None) -> None:
+        """Commit the algorithm's state now (complete: as the algorithm says, unless told)."""
+        t = self.trainer
+        complete = t.algorithm.is_complete() if complete is None else complete
+        version = t.store.commit(t.algorithm, label, complete, t.algorithm.engine.mode)
+        if version is not None:  # the writing process
+            call_hook(t.fabric, "on_commit", t.view(), version=version, label=label)
+        # At the first commit: a fit killed later is resumed in the environment it started in.
+        if t.is_global_zero and t.run_dir is not None and not (t.run_dir / numerics.FILE).exists():
+            numerics.record(t.run_dir, numerics.current(t.algorithm, t.module, t.device, t.tf32))
+        t.fabric.barrier()
+
+    def evaluate(self, params: dict[str, Tensor]) -> tuple[float, float]:
+        """The trainer's test-set evaluation."""
+        return self.trainer.evaluate(params)
 
 
 class FederatedTrainer:
@@ -433,7 +592,7 @@ class FederatedTrainer:
                 if resume:
                     self.store.refuse_final_only("fit")
                 self._print(f"run directory: {run_dir}")  # once accepted: a refused fit leaves none
-                return run_fit(self, run_dir, resume, exclude_clients or [])
+                return self._run_fit(run_dir, resume, exclude_clients or [])
         except BaseException as e:
             # A run that failed before its first cache commit holds nothing worth keeping.
             if not resume and self.is_global_zero and not (run_dir / "cache" / "CURRENT").exists():
@@ -449,7 +608,7 @@ class FederatedTrainer:
     ) -> None:
         run_dir = existing_run_dir(ckpt_path, command)
         self._setup(model, datamodule, run_dir, command)
-        load_run(self, run_dir, command)
+        self._restore_run(run_dir, command)
         self.log_step_start = next_log_step(run_dir)
 
     @keep_caller_state
@@ -463,7 +622,7 @@ class FederatedTrainer:
             datamodule: The federated data.
             ckpt_path: Run directory (or a model .safetensors file).
         """
-        return run_test(self, model, datamodule, ckpt_path)
+        return self._run_test(model, datamodule, ckpt_path)
 
     @keep_caller_state
     def unlearn(
@@ -484,7 +643,7 @@ class FederatedTrainer:
         with run_lock(existing_run_dir(ckpt_path, "unlearn")):
             self._load_run(model, datamodule, ckpt_path, "unlearn")
             self.cache.verify()  # every blob of the version it builds on, not only those the load read
-            return apply_request(self, clients)
+            return self._apply_request(clients)
 
     @keep_caller_state
     def audit(
@@ -528,4 +687,354 @@ class FederatedTrainer:
                 ) from None
         with run_lock(existing_run_dir(ckpt_path, "audit")):
             self._load_run(model, datamodule, ckpt_path, "audit")
-            return run_audit(self, tolerance, bool(reference), reference_tolerance)
+            return self._run_audit(tolerance, bool(reference), reference_tolerance)
+
+    # -- the commands' bodies ---------------------------------------------------------------------
+    def _run_fit(self, run_dir: Path, resume: bool, exclude: list[int]) -> dict[str, Any]:
+        """``fit`` after setup: resume or reset the state, train, commit what no stage committed, write files.
+
+        A resumed run continues from the restored state (``Algorithm.resumable``); any other fit
+        resets the state first, so a reused algorithm instance trains like a fresh one. When the
+        algorithm reported no final ``stage_end``, the finished state is committed here.
+        """
+        config = run_dir / "config.yaml"
+        # new_run_dir wrote the CLI's config before any data was read; once the data has resolved the
+        # model's shapes, the run records them (a resumed run's own config stays as it is)
+        if (
+            self.config_yaml is not None
+            and self.is_global_zero
+            and (not config.exists() or config.read_text() == self.config_yaml)
+        ):
+            resolved = resolved_config(self.config_yaml, self.module)
+            if not config.exists() or resolved != self.config_yaml:
+                atomic_write_bytes(config, resolved.encode())
+        t0 = time.perf_counter()
+        alg, resumed, finished = self.algorithm, False, False
+        if resume and self.store.cache.exists():
+            manifest = self.store.restore(alg, self.device, self.vectorize)
+            # A CURRENT rolled back past a request would otherwise resume as a run never unlearned; the
+            # stages to come would extend a broken manifest chain without a word.
+            self.store.cache.history()
+            check_history(run_dir, self.store.cache, manifest)
+            if self.store.requests:
+                raise CacheError(
+                    f"{self.store.cache.root}: this run has unlearning requests already; it cannot be resumed"
+                )
+            resumed = alg.resumable(manifest)
+            finished = resumed and bool(manifest.get("complete"))
+            if resumed:  # the stages to come must round like the committed ones (threads, ...)
+                self._reproduce_numerics(run_dir)
+        # W&B too when its segment takes the others' place (wandb_resume)
+        replay = self.reporter.open_resumed_fit(run_dir, resumed, finished)
+        if resumed and self.fabric.loggers and self.is_global_zero:
+            events = self._events
+            self.log_step_start, events.global_round, events.client_steps = self.reporter.restore_rows(replay)
+        if not resumed:
+            alg.reset(alg.engine.module_params(), exclude=validate_exclude(exclude, alg.num_clients))
+            self.store.requests, self.store.complete_committed = [], False
+        kept = state_kept(alg.engine.spec)
+        if (
+            kept and self.optimizer_state == "reset"
+        ):  # never silently: a user of Adam may expect its moments kept
+            self._print(
+                f"note: the client optimizer {alg.engine.spec.cls.__name__} keeps state ({', '.join(kept)}); each "
+                "client starts every round with a fresh optimizer, so that state is reset every round "
+                "(trainer.optimizer_state keep carries it between rounds)"
+            )
+        call_hook(self.fabric, "on_fit_start", self.view())
+        try:
+            if finished:
+                params = check_params(alg, alg.current_params(), "current_params")
+            elif isinstance(alg, Planner):  # the trainer runs a planner's loop
+                params = StageLoop(alg, self._events).fit()
+            else:
+                params = check_params(alg, alg.fit(), "fit")
+        except BaseException:
+            for logger in self.fabric.loggers:  # rows are written in batches: keep the stopped fit's
+                with contextlib.suppress(OSError):
+                    logger.save()
+            close_wandb_run(self.wandb)  # its segment is complete: a resume in this process writes a new one
+            raise
+        if not self.store.complete_committed:  # the algorithm reported no final stage: commit it here
+            self._events.checkpoint("fit", complete=True)  # fit returned: the state is final
+        seconds = time.perf_counter() - t0
+        acc, loss = self.evaluate(params)
+        metrics = {
+            "test_accuracy": acc,
+            "test_loss": loss,
+            "client_steps": int(alg.total_client_steps),
+            "seconds": seconds,
+            "algorithm": alg.name,
+            "num_clients": len(self.client_sizes),
+            "vectorize_mode": alg.engine.mode,
+            "resumed": resumed,
+        }
+        recorded = read_json_object(run_dir / "metrics.json") if finished else None
+        if recorded is not None:  # a complete run resumed: nothing trained, so fit's own record stands
+            self._print(f"fit: {run_dir} was already complete; nothing was trained (its metrics.json stands)")
+            metrics = recorded
+        if self.is_global_zero:
+            if recorded is None or stale_files(run_dir, params, self.device, self.save_ckpt):
+                self._write_model(params)
+            if recorded is None:
+                atomic_write_json(run_dir / "metrics.json", metrics)
+            if read_json_object(run_dir / numerics.FILE) is None:  # recorded at the first commit
+                numerics.record(run_dir, numerics.current(alg, self.module, self.device, self.tf32))
+            for name, text in alg.run_files().items():
+                (run_dir / name).write_text(text)
+        call_hook(self.fabric, "on_fit_end", self.view(), metrics=metrics)
+        if self.checkpoint_callback is None:  # enable_checkpointing false: the final model only
+            freed = self.store.drop_cache(alg)
+            self._print(
+                f"kept only the final model (trainer.enable_checkpointing false): removed the FLCache "
+                f"({freed / 2**20:.1f} MiB); unlearn and audit need it"
+            )
+            self.fabric.barrier()
+        finish_loggers(self.fabric.loggers, self.wandb, run_dir, self.log_step_start + len(self.history) + 1)
+        total = time.perf_counter() - t0  # with the callbacks' work at the end (replay, plots) and logging
+        self._print(
+            f"fit done: test_accuracy={acc:.4f} test_loss={loss:.4f} client_steps={metrics.get('client_steps')} "
+            f"seconds={seconds:.1f} (total {total:.1f} with callbacks and logging) -> {run_dir}"
+        )
+        return metrics
+
+    def _reproduce_numerics(self, run_dir: Path) -> None:
+        """Take fit's numerical environment, print its notes, and warn if fit's threads now oversubscribe the CPU.
+
+        The launch checked the threads the processes had then; fit's count (:func:`numerics.reproduce`)
+        comes later, in every process. A one-process fit with 2 threads resumed by 2 processes on 2
+        cores ran 4 threads unwarned: its last 3 stages took 186 s, the whole 2-process fit 17 s.
+        """
+        before = torch.get_num_threads()
+        reproduced = numerics.reproduce(run_dir, self.algorithm, self.module, self.device, self.tf32)
+        if reproduced.compile is not None:  # engines made from now on compile as fit's did
+            self.compile = reproduced.compile
+        if reproduced.tf32_changed:
+            self.tf32 = reproduced.tf32
+        self.numerics_notes = reproduced.notes
+        for note in self.numerics_notes:
+            self._print(f"warning: numerics: {note}")
+        threads, world = torch.get_num_threads(), self.fabric.world_size
+        # A resumed fit's launch checked these threads already; test, unlearn and audit launch unchecked.
+        checked_at_launch = getattr(self, "_command", None) == "fit" and threads == before
+        if not checked_at_launch and self.device.type == "cpu":
+            crowded = numerics.oversubscription_warning(threads * world)
+            if crowded and self.is_global_zero:
+                sys.stderr.write(
+                    f"{crowded.split('; try')[0]} ({threads} thread(s), fit's count, kept for the same bits, in each of "
+                    f"{world} process(es)); run it with fewer processes (--trainer.devices) or on a quieter machine\n"
+                )
+
+    def _restore_run(self, run_dir: Path, command: str) -> None:
+        """After setup: restore a finished run's state (fingerprint checked), then repair what a crash left.
+
+        The cache is the truth: ``model.safetensors`` is rewritten when it differs from the cache's
+        current model, and reports or journal lines of committed requests are re-created.
+        """
+        self.store.refuse_final_only(command)
+        if not self.store.cache.exists():
+            current = self.store.cache.root / "CURRENT"
+            if current.exists() or current.is_symlink():  # there, but not a regular file
+                raise CacheError(
+                    f"{current} is not a regular file: the run directory is damaged; restore it from a backup"
+                )
+            raise CacheError(
+                f"{run_dir} has no committed FLCache (cache/CURRENT); was fit interrupted before stage 1?"
+            )
+        manifest = self.store.restore(self.algorithm, self.device, self.vectorize)
+        self.store.cache.history()  # every older manifest there and unchanged: unlearn builds on the chain
+        check_history(run_dir, self.store.cache, manifest)  # before the model file is written from it
+        self._reproduce_numerics(run_dir)
+        if not manifest.get("complete"):
+            raise CacheError(
+                f"{self.store.cache.root}: {self.algorithm.progress()}; "
+                "resume it with fit --ckpt_path RUN_DIR first"
+            )
+        if not self.is_global_zero:
+            return
+        # The cache is the truth: re-create what a crash after a commit may have left stale.
+        params = self.algorithm.current_params()
+        stale = stale_files(run_dir, params, self.device, self.save_ckpt)
+        if stale:
+            self._write_model(params)  # never silently: a reader learns that the file had drifted
+            self._print(
+                f"note: {' and '.join(str(run_dir / n) for n in stale)} differed from the cache or was missing "
+                "(or was a symbolic link); rewrote it from the cache"
+            )
+        else:
+            self._set_params(params)
+        recover_reports(run_dir, self.store.cache, self.store.requests, Journal(run_dir))
+
+    def _log_lost_requests(self) -> int:
+        """Log the rows of committed requests whose process was killed before logging them; how many.
+
+        Each takes the next step, in request order, so the rows stay in the order of the requests.
+        """
+        if not self.is_global_zero:
+            return 0
+        logged = logged_requests(self.run_dir)
+        lost = [r for r in self.store.requests if int(r.get("request", 0)) not in logged]
+        for report in lost:
+            self.reporter.log(request_row(report), step=self.log_step_start)
+            self.log_step_start += 1
+        return len(lost)
+
+    def _apply_request(self, clients: Any) -> dict[str, Any]:
+        """One request on a loaded run (the caller holds the run lock): check, journal, unlearn, commit, report.
+
+        The new state comes from the algorithm's pure ``what_if``; it becomes the algorithm's state
+        and is committed as one cache version before the model file, the report and the journal's
+        ``committed`` line are written (a crash in between is repaired by the next load).
+        """
+        alg, store = self.algorithm, self.store
+        ids = validate_clients(clients, alg.num_clients)
+        noop, message = check_request(ids, alg.unlearned, store.requests, alg.num_clients)
+        self._log_lost_requests()
+        if noop is not None:  # close the loggers (and the W&B run) whether or not a late row was logged
+            finish_loggers(self.fabric.loggers, self.wandb, self.run_dir, self.log_step_start)
+            self._print(message)
+            return noop
+        number = len(store.requests) + 1
+        journal = Journal(self.run_dir, enabled=self.is_global_zero)
+        journal.append({"event": "started", "request": number, "clients": ids})
+        call_hook(self.fabric, "on_unlearn_start", self.view(), clients=ids)
+        before = self.evaluate(alg.current_params())
+        predicted = check_cost(alg, alg.predict_cost(ids), "predict_cost()")
+        retrain = check_cost(alg, alg.retrain_cost(ids), "retrain_cost()")
+        self._print(request_start_line(self.run_dir, number, ids, predicted, retrain))
+        state, result = alg.what_if(alg.state_dict(), ids)
+        alg.load_state_dict(state)
+        report = request_report(
+            number, ids, alg.name, result, predicted, retrain, before, self.evaluate(result.params)
+        )
+        store.requests.append(report)
+        if self.is_global_zero:
+            report["cache_version"] = store.commit(alg, f"unlearn-{number:04d}", True, alg.engine.mode)
+            call_hook(
+                self.fabric,
+                "on_commit",
+                self.view(),
+                version=report["cache_version"],
+                label=f"unlearn-{number:04d}",
+            )
+            try:
+                self._write_request_files(journal, number, ids, result.params, report)
+            except OSError as e:  # the request is in the cache: its one line must not ask to redo it
+                e.committed_request = number
+                raise
+        call_hook(self.fabric, "on_unlearn_end", self.view(), report=report)
+        finish_loggers(self.fabric.loggers, self.wandb, self.run_dir, self.log_step_start + 1)
+        self._print(
+            f"unlearn: clients {ids} removed with {report['client_steps']} client-steps "
+            f"(retraining: {report['retrain_client_steps']}, {report['speedup_client_steps']:.2f}x), "
+            f"{report['seconds']:.2f}s; test_accuracy {before[0]:.4f} -> {report['test_accuracy_after']:.4f}; "
+            f"report: {self.run_dir / 'unlearn_report.json'}"
+        )
+        return report
+
+    def _write_request_files(
+        self, journal: Journal, number: int, ids: list[int], params: Any, report: dict[str, Any]
+    ) -> None:
+        """After the commit: the model, the reports and the journal's line (the next load repairs any of them)."""
+        self._write_model(params)
+        rdir = self.run_dir / "unlearning" / f"{number:04d}"
+        rdir.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(rdir / "report.json", report)
+        atomic_write_json(self.run_dir / "unlearn_report.json", report)
+        journal.append(
+            {
+                "event": "committed",
+                "request": number,
+                "clients": ids,
+                "cache_version": report["cache_version"],
+            }
+        )
+
+    def _run_test(self, model: Any, datamodule: Any, ckpt_path: str | None) -> dict[str, Any]:
+        """``test``: on a run directory, the cache's current model; on a lone ``.safetensors`` file, that file.
+
+        A run directory is evaluated from the cache's current model (checksums verified, under the
+        run lock), repairing a stale or damaged ``model.safetensors`` from it; a run that kept only
+        its final model, or a lone file, is evaluated from the file after its hash, names, shapes and
+        dtypes are checked against the configured model.
+        """
+        path = Path(ckpt_path) if ckpt_path else None
+        lone_file = path is not None and path.is_file()
+        if lone_file:
+            run_dir, weights = path.parent, path
+            check_real_folders(run_dir)  # its logs/ are written beside the file
+        else:
+            run_dir = existing_run_dir(ckpt_path, "test")
+            weights = run_dir / "model.safetensors"
+        self.enable_progress_bar = False
+        if not lone_file and (run_dir / "cache" / "CURRENT").is_file():
+            with run_lock(run_dir):
+                self._load_run(model, datamodule, str(run_dir), "test")
+                self.cache.verify()  # every blob of the version it reports: those the load did not read
+                metrics = self._test_metrics(self.algorithm.current_params(), weights)
+                row = {f"test/{k}": metrics[k] for k in ("test_accuracy", "test_loss")}
+                self.reporter.log_result(run_dir, row, self.log_step_start)
+                return metrics
+        if not lone_file and not weights.is_file():
+            raise CacheError(
+                f"{run_dir} has no committed FLCache (cache/CURRENT) and no model file; was fit interrupted "
+                "before stage 1? resume it with fit --ckpt_path RUN_DIR"
+            )
+        self._setup(model, datamodule, run_dir, "test")  # a model file: its hash, names, shapes and dtypes
+        self.module.load_state_dict(load_model(weights, schema_of(self.module.state_dict()), self.device))
+        metrics = self._test_metrics(self.algorithm.engine.module_params(), weights)
+        finish_loggers(self.fabric.loggers, self.wandb)  # a lone model file: its folder is no run
+        return metrics
+
+    def _test_metrics(self, params: dict[str, Tensor], weights: Path) -> dict[str, Any]:
+        acc, loss = self.evaluate(params)
+        metrics = {"test_accuracy": acc, "test_loss": loss, "checkpoint": str(weights)}
+        call_hook(self.fabric, "on_test_end", self.view(), metrics=metrics)
+        self._print(f"test: test_accuracy={acc:.4f} test_loss={loss:.4f} ({weights})")
+        return metrics
+
+    def _run_audit(
+        self, tolerance: float, reference: bool = True, reference_tolerance: float | None = None
+    ) -> dict[str, Any]:
+        """``audit`` once the run is loaded: print both checks and the verdict; a failure names the likely cause.
+
+        The checks are :func:`~fedshard_lightning.unlearning.reference.certify`'s: bit-equality with the
+        run's own engine and the difference from the independent reference. The result says whether
+        both passed (``passed``); the CLI turns a failure into exit status 1.
+        """
+        call_hook(self.fabric, "on_audit_start", self.view())
+        result = certify(self.algorithm, tolerance, reference, reference_tolerance)
+        call_hook(self.fabric, "on_audit_end", self.view(), result=result)
+        if result["engine_passed"] and not result["passed"]:
+            result["lines"].append(
+                "likely cause: the engine replays its own model, but the independent reference trains another: "
+                "a fault in the engine's training or averaging, or a reference tolerance too tight for this dtype"
+            )
+        elif not result["passed"]:
+            dtype = next(self.module.parameters()).dtype
+            notes = list(self.numerics_notes)
+            if dtype not in (torch.float32, torch.float64):  # the stacked step is invariant in these only
+                notes.append(
+                    f"dtype {dtype}: exactness is certified in float32 and float64 only (in half precision some CPU "
+                    "kernels round an element by its position in the stacked call); use 32-true, or audit with --tolerance"
+                )
+            cause = (
+                "; ".join(notes)
+                if notes
+                else "no difference in the recorded numerical environment: were the cache, the model or the "
+                "training samples changed (the run's fingerprint covers the data's labels and partition, not "
+                "the sample values), or was fit run with trainer.batch_invariant false?"
+            )
+            result["lines"].append(f"likely cause: {cause}")
+        for line in result["lines"]:
+            self._print(line)
+        row = {
+            "audit/passed": float(result["passed"]),
+            "audit/max_abs_diff": result["max_abs_diff"],
+            "audit/bit_equal": float(result["bit_equal"]),
+        }
+        if "reference_rel_diff" in result:
+            row["audit/reference_max_abs_diff"] = result["reference_max_abs_diff"]
+            row["audit/reference_rel_diff"] = result["reference_rel_diff"]
+        self.reporter.log_result(self.run_dir, row, self.log_step_start)
+        return result  # a failure is the CLI's exit status 1, never a SystemExit from a Python call

@@ -353,7 +353,7 @@ class FedShard(ShardCosts, ShardCache, Algorithm):
     def _stage_average(self, stage: int) -> dict[str, Tensor]:
         """theta^p for the stage's test accuracy: the live shards weighted by their training samples.
 
-        Sample weights, like the per-round accuracy (``fedshard_lightning.trainer.loop``), so the per-round
+        Sample weights, like the per-round accuracy (``fedshard_lightning.trainer.trainer``), so the per-round
         and per-stage curves describe the same model; the merge weights (``merge_weighting``)
         still decide how children are averaged into a shard's initial model.
         """

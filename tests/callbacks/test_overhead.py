@@ -19,7 +19,7 @@ from fedshard_lightning.callbacks import MetricsLogger, ProgressBar
 from fedshard_lightning.engine.evaluate import evaluate
 from fedshard_lightning.models import MLP
 from fedshard_lightning.run.store import RunStore
-from fedshard_lightning.trainer.loop import sample_weighted_average
+from fedshard_lightning.trainer.trainer import sample_weighted_average
 from fedshard_lightning.unlearning import FedAvg, FedShard
 
 
