@@ -32,9 +32,8 @@ from torch import Tensor
 from fedshard_lightning.engine.client_loop import ClientBatch, LocalResult
 from fedshard_lightning.engine.groups import Group
 from fedshard_lightning.engine.local import LocalTrainer
-from fedshard_lightning.engine.neighbours import neighbour_dependence
+from fedshard_lightning.engine.neighbours import PROBE_STEPS, first_steps, neighbour_dependence
 from fedshard_lightning.engine.round_plan import RoundPlan
-from fedshard_lightning.engine.schedule import LocalSchedule
 from fedshard_lightning.engine.step_context import NotVectorizable
 from fedshard_lightning.errors import ConfigError
 
@@ -267,15 +266,11 @@ def _two_steps(
     local: LocalTrainer, start: dict[str, Tensor], batch: ClientBatch, sizes: dict[str, int]
 ) -> dict[str, LocalResult]:
     """Two local steps of each path's first clients (results apart from the fit's)."""
-    full = local.schedule
-    local.schedule = LocalSchedule(batch_size=full.batch_size, local_steps=2)
-    try:
+    with first_steps(local, PROBE_STEPS):
         return {
             mode: fn({n: v[: sizes[mode]] for n, v in start.items()}, sub)
             for mode, (fn, sub) in _runs(local, batch, sizes).items()
         }
-    finally:
-        local.schedule = full
 
 
 def agreement_tolerance(dtype: torch.dtype, device: torch.device) -> float:
@@ -375,11 +370,7 @@ def time_paths(
     runs = _runs(local, batch, full)
     first: dict[str, LocalResult] = {}
     per_client: dict[str, float] = {}
-    local.schedule, schedule = (
-        LocalSchedule(batch_size=local.schedule.batch_size, local_steps=2),
-        local.schedule,
-    )
-    try:
+    with first_steps(local, PROBE_STEPS):
         fn, sub = runs["loop"]
         first["loop"], spent = _timed(fn, start, sub)
         per_client["loop"] = spent / full["loop"]
@@ -417,8 +408,6 @@ def time_paths(
             for mode, (fn, sub) in runs.items():
                 _, spent = _timed(fn, start, sub)
                 per_client[mode] = min(per_client[mode], spent / len(sub.clients))
-    finally:
-        local.schedule = schedule
     ms = {m: f"{1e3 * v:.2f}" for m, v in per_client.items()}
     took = time.perf_counter() - t0
     timed = f"{repeats + 1} timing(s) in {took:.1f}s"
