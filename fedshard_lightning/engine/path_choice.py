@@ -349,7 +349,7 @@ def time_paths(
     must agree (losses within rounding); they are timed too, kernel building included, and the
     faster one sets the budget anew. Further interleaved timings, whose best time per client
     counts (one preempted run on a busy machine does not decide), run only while the budget
-    lasts. Where the stacked path is the cheaper, a client's bits must not depend on its
+    lasts, and each sets it anew at the best speed seen. Where the stacked path is the cheaper, a client's bits must not depend on its
     neighbours (:func:`.neighbours.neighbour_dependence`), else the loop trains it; these two
     first runs and that check are what exactness needs, so they run whatever the budget.
 
@@ -374,7 +374,7 @@ def time_paths(
         fn, sub = runs["loop"]
         first["loop"], spent = _timed(fn, start, sub)
         per_client["loop"] = spent / full["loop"]
-        budget = probe_budget(work, per_client["loop"] / 2)
+        budget = probe_budget(work, per_client["loop"] / PROBE_STEPS)
         left = budget - (time.perf_counter() - t0)
         k = full["stacked"]
         if per_client["loop"] * k > left / 2:  # a slow model: fewer stacked clients (never below the loop's)
@@ -398,7 +398,7 @@ def time_paths(
                 "(relative) in two local steps: training_step does something vmap does not batch exactly"
             )
         runs["stacked"] = (fn, sub)
-        budget = probe_budget(work, min(per_client.values()) / 2)  # the call at the faster path's speed
+        budget = probe_budget(work, min(per_client.values()) / PROBE_STEPS)  # at the faster path's speed
         repeats = 0
         while repeats < 2:  # timings without kernel building, while the budget lasts
             one = sum(per_client[m] * len(runs[m][1].clients) for m in runs)
@@ -408,6 +408,9 @@ def time_paths(
             for mode, (fn, sub) in runs.items():
                 _, spent = _timed(fn, start, sub)
                 per_client[mode] = min(per_client[mode], spent / len(sub.clients))
+            # Without the first runs' one-time costs (kernel building, warm-up) the predicted call
+            # is shorter, and so is the budget.
+            budget = probe_budget(work, min(per_client.values()) / PROBE_STEPS)
     ms = {m: f"{1e3 * v:.2f}" for m, v in per_client.items()}
     took = time.perf_counter() - t0
     timed = f"{repeats + 1} timing(s) in {took:.1f}s"

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from _tiny import tiny_data, tiny_model, tiny_trainer
 
-from fedshard_lightning.engine import path_choice
+from fedshard_lightning.engine import FederatedEngine, path_choice, stack_params
 from fedshard_lightning.engine.client_loop import ClientBatch
 from fedshard_lightning.engine.local import LocalTrainer
 from fedshard_lightning.engine.neighbours import NEIGHBOUR_STEPS, PROBE_STEPS
@@ -186,3 +186,32 @@ def test_plans_cut_to_the_first_steps_are_the_rounds_start_and_kept_apart():
     assert not cut._ahead and not plans._ahead  # the cut round planned none ahead for training
     assert plans(ClientBatch([0, 1, 2], [0, 0, 0], 0, 1))[2].tolist() == [15, 15, 15]
     assert plans.first_steps(20)(batch)[2].tolist() == [15, 15, 15]  # a short round is all there
+
+
+def test_the_budget_follows_the_timings_without_one_time_costs(monkeypatch):
+    """First runs (kernel building) at 1 s a client, later ones at 1 ms, on an injected clock.
+
+    The first runs predict a 100 s budget (2% of a 10,000 client-step call at 0.5 s a step); the
+    first clean timing predicts 0.1 s, so the 10 s floor, already spent: no second repeat.
+    """
+    dm = tiny_data()
+    dm.setup()
+    model = tiny_model()
+    model.bind_data(dm.input_shape, dm.num_classes)
+    engine = FederatedEngine(model, dm, LocalSchedule(batch_size=5), seed=1, vectorize="auto")
+    start = stack_params([engine.module_params()] * 8)
+    clock, runs = [0.0], []
+
+    def timed(fn, start, sub):
+        res = fn({k: v[: len(sub.clients)] for k, v in start.items()}, sub)
+        runs.append(len(sub.clients))
+        clock[0] += (1.0 if len(runs) <= 2 else 1e-3) * len(sub.clients)
+        return res, (1.0 if len(runs) <= 2 else 1e-3) * len(sub.clients)
+
+    monkeypatch.setattr(path_choice, "_timed", timed)
+    monkeypatch.setattr(path_choice.time, "perf_counter", lambda: clock[0])
+    _, reason = path_choice.time_paths(
+        engine.local, start, ClientBatch(list(range(8)), [0] * 8, 1, 0), work=10_000
+    )
+    assert runs[:2] == [2, 8] and sorted(runs[2:]) == [2, 8], "one repeat of both paths, then no more"
+    assert "(2 timing(s) in " in reason
