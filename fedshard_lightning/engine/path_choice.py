@@ -187,7 +187,7 @@ def check_agreement(local: LocalTrainer, start: dict[str, Tensor], batch: Client
 
     ``always`` skips the timing, not the check: a ``training_step`` that vmap batches wrongly and
     no layer shows (a functional ``F.embedding(padding_idx=...)``) would otherwise train a wrong
-    model in silence. Two local steps of a few clients both ways, once per model signature (in
+    model in silence. :data:`.neighbours.PROBE_STEPS` local steps of a few clients both ways, once per model signature (in
     the process, and on disk beside ``auto``'s decisions); the fit's results are not touched.
 
     Raises:
@@ -208,7 +208,7 @@ def check_agreement(local: LocalTrainer, start: dict[str, Tensor], batch: Client
     if not off <= tolerance:
         raise ConfigError(
             f"trainer.vectorize=always: the stacked clients' losses differ from the per-client loop's by "
-            f"{off:.1e} (relative) in two local steps, so training_step does something vmap does not "
+            f"{off:.1e} (relative) in {PROBE_STEPS} local steps, so training_step does something vmap does not "
             "batch exactly; set trainer.vectorize to auto or never"
         )
     dependent = neighbour_dependence(local, start, batch)
@@ -243,7 +243,7 @@ def _sizes(batch: ClientBatch) -> dict[str, int]:
 
 
 def _compare(local: LocalTrainer, start: dict[str, Tensor], batch: ClientBatch) -> tuple[float, float]:
-    """``(disagreement, tolerance)`` of the two paths in two local steps; raises ``NotVectorizable``."""
+    """``(disagreement, tolerance)`` of the two paths in a few local steps; raises ``NotVectorizable``."""
     warm = _two_steps(local, start, batch, _sizes(batch))
     first = next(iter(start.values()))
     return disagreement(warm["stacked"], warm["loop"]), agreement_tolerance(first.dtype, first.device)
@@ -265,7 +265,7 @@ def _runs(
 def _two_steps(
     local: LocalTrainer, start: dict[str, Tensor], batch: ClientBatch, sizes: dict[str, int]
 ) -> dict[str, LocalResult]:
-    """Two local steps of each path's first clients (results apart from the fit's)."""
+    """The first local steps of each path's first clients (results apart from the fit's)."""
     with first_steps(local, PROBE_STEPS):
         return {
             mode: fn({n: v[: sizes[mode]] for n, v in start.items()}, sub)
@@ -340,7 +340,7 @@ def time_paths(
     say: Callable[[str], None] | None = None,
     work: int | None = None,
 ) -> tuple[str, str]:
-    """Time two local steps per client both ways (results discarded); ``(cheaper path, reason)``.
+    """Time the first local steps per client both ways (results discarded); ``(cheaper path, reason)``.
 
     Bounded and visible: ``say`` gets a line as it starts and as each part ends. The loop runs
     first on 2 clients (its cost is linear in clients); its speed predicts the call and so the
@@ -364,7 +364,7 @@ def time_paths(
     t0 = time.perf_counter()
     full = _sizes(batch)
     say(
-        f"vectorize: auto: timing the stacked path against the per-client loop (2 local steps of up to "
+        f"vectorize: auto: timing the stacked path against the per-client loop ({PROBE_STEPS} local steps of up to "
         f"{full['stacked']} clients; once per model and machine)"
     )
     runs = _runs(local, batch, full)
@@ -395,7 +395,7 @@ def time_paths(
         if not off <= agreement_tolerance(first_dt.dtype, first_dt.device):
             return "loop", (
                 f"vectorize: auto; the stacked clients' losses differ from the per-client loop's by {off:.1e} "
-                "(relative) in two local steps: training_step does something vmap does not batch exactly"
+                f"(relative) in {PROBE_STEPS} local steps: training_step does something vmap does not batch exactly"
             )
         runs["stacked"] = (fn, sub)
         budget = probe_budget(work, min(per_client.values()) / PROBE_STEPS)  # at the faster path's speed

@@ -191,8 +191,9 @@ def test_plans_cut_to_the_first_steps_are_the_rounds_start_and_kept_apart():
 def test_the_budget_follows_the_timings_without_one_time_costs(monkeypatch):
     """First runs (kernel building) at 1 s a client, later ones at 1 ms, on an injected clock.
 
-    The first runs predict a 100 s budget (2% of a 10,000 client-step call at 0.5 s a step); the
-    first clean timing predicts 0.1 s, so the 10 s floor, already spent: no second repeat.
+    The first runs predict a budget of 2% of a 10,000 client-step call at their speed (50 s at
+    4 steps a run); the first clean timing predicts under 10 s, so the floor, already spent by
+    the first runs: no second repeat.
     """
     dm = tiny_data()
     dm.setup()
