@@ -60,9 +60,8 @@ def neighbour_dependence(local: LocalTrainer, start: dict[str, Tensor], batch: C
     :data:`NEIGHBOUR_STEPS` steps of their first round through ``local.neighbour_run`` (the
     engine's stacked call, padded as the engine pads) in their order and reversed, and the first
     and the last alone; every client's parameters and loss must be bit for bit the same in each
-    call it was in. Reversing moves every client but a
-    middle one to another row; alone, a client's tensors end where its own rows end. The fit's
-    results are not touched.
+    call it was in. Reversing moves every client but a middle one to another row; alone, a
+    client's tensors end where its own rows end. The fit's results are not touched.
 
     Args:
         local: The engine's local trainer (``neighbour_run`` None: the engine promises no

@@ -278,8 +278,9 @@ def agreement_tolerance(dtype: torch.dtype, device: torch.device) -> float:
 
     Exact models measured on the CPU (MLPs, CNNs with and without BatchNorm and dropout,
     ResNetGN, a scheduler) disagree by at most 1.9e-7 in float32; a functional
-    ``F.embedding(padding_idx=...)``, which vmap batches wrongly, by 6.2e-5. TF32 and half
-    precision round at 1e-3, so there only gross errors can be told from rounding.
+    ``F.embedding(padding_idx=...)``, which vmap batches wrongly, by 5.2e-5 in the probe's
+    :data:`.neighbours.PROBE_STEPS` steps. TF32 and half precision round at 1e-3, so there only
+    gross errors can be told from rounding.
     """
     if dtype == torch.float64:
         return 1e-9
