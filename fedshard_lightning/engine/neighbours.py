@@ -22,33 +22,46 @@ from torch import Tensor
 
 from fedshard_lightning.engine.client_loop import ClientBatch, LocalResult
 from fedshard_lightning.engine.local import LocalTrainer
-from fedshard_lightning.engine.schedule import LocalSchedule
 
-__all__ = ["NEIGHBOURS_REASON", "neighbour_dependence", "two_local_steps"]
+__all__ = ["NEIGHBOURS_REASON", "NEIGHBOUR_STEPS", "PROBE_STEPS", "first_steps", "neighbour_dependence"]
 
 NEIGHBOURS_REASON = "stacked results depend on the neighbouring clients"
 
 
+#: Steps of each client's first round that the path probes train: the timings and the loss
+#: comparison (an inexact gradient shows in the losses of the steps after it: a functional
+#: ``F.embedding(padding_idx=...)`` under vmap is off by 4.5e-6 relative after 2 steps, under
+#: float32's 1e-5 tolerance, and by 5.2e-5 after 4), then the neighbour check, which sees more
+#: values (rounding that depends on a client's position shows only for some values) in what is
+#: still a fraction of a CNN's round.
+PROBE_STEPS = 4
+NEIGHBOUR_STEPS = 8
+
+
 @contextlib.contextmanager
-def two_local_steps(local: LocalTrainer) -> Iterator[None]:
-    """Run ``local``'s calls for two local steps per client (the probes' length), then restore."""
-    full = local.schedule
-    local.schedule = LocalSchedule(batch_size=full.batch_size, local_steps=2)
+def first_steps(local: LocalTrainer, steps: int) -> Iterator[None]:
+    """Run ``local``'s calls for the first ``steps`` steps of each client's round, then restore.
+
+    The batches come from ``local.plans`` (:meth:`.plan_ahead.BatchPlans.first_steps`), not from
+    ``local.schedule``: a probe that shortened only the schedule trained whole rounds.
+    """
+    plans = local.plans
+    local.plans = plans.first_steps(steps)
     try:
         yield
     finally:
-        local.schedule = full
+        local.plans = plans
 
 
 def neighbour_dependence(local: LocalTrainer, start: dict[str, Tensor], batch: ClientBatch) -> str | None:
     """What differs when a client trains among others rather than alone, or None (nothing; not probed).
 
-    Up to 8 of ``batch``'s clients (a lone client beside a copy of itself) train for two local
-    steps through ``local.neighbour_run`` (the engine's stacked call, padded as the engine pads)
-    in their order and reversed, and the first and the last alone; every client's parameters and
-    loss must be bit for bit the same in each call it was in. Reversing moves every client but a
-    middle one to another row; alone, a client's tensors end where its own rows end. The fit's
-    results are not touched.
+    Up to 8 of ``batch``'s clients (a lone client beside a copy of itself) train the first
+    :data:`NEIGHBOUR_STEPS` steps of their first round through ``local.neighbour_run`` (the
+    engine's stacked call, padded as the engine pads) in their order and reversed, and the first
+    and the last alone; every client's parameters and loss must be bit for bit the same in each
+    call it was in. Reversing moves every client but a middle one to another row; alone, a
+    client's tensors end where its own rows end. The fit's results are not touched.
 
     Args:
         local: The engine's local trainer (``neighbour_run`` None: the engine promises no
@@ -62,7 +75,7 @@ def neighbour_dependence(local: LocalTrainer, start: dict[str, Tensor], batch: C
     k = min(len(batch.clients), 8)
     order = list(range(k)) if k > 1 else [0, 0]
     calls = [order, order[::-1], order[:1], order[-1:]]
-    with two_local_steps(local):
+    with first_steps(local, NEIGHBOUR_STEPS):
         results = [_call(run, start, batch, c) for c in calls]
     seen: dict[int, tuple[int, int]] = {}  # client position in ``batch`` -> (call, row) first seen
     for ci, (call, res) in enumerate(zip(calls, results)):
@@ -76,8 +89,8 @@ def neighbour_dependence(local: LocalTrainer, start: dict[str, Tensor], batch: C
                 want = first.loss_sum if name == "loss" else first.params[name]
                 if not _same(got[row], want[frow]):
                     return (
-                        f"{NEIGHBOURS_REASON} (client {batch.clients[pos]}'s {name} after two local "
-                        f"steps: row {frow} of {len(calls[seen[pos][0]])} clients vs row {row} of {len(call)})"
+                        f"{NEIGHBOURS_REASON} (client {batch.clients[pos]}'s {name} after {NEIGHBOUR_STEPS} "
+                        f"local steps at most: row {frow} of {len(calls[seen[pos][0]])} clients vs row {row} of {len(call)})"
                     )
     return None
 

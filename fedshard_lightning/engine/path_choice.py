@@ -32,9 +32,8 @@ from torch import Tensor
 from fedshard_lightning.engine.client_loop import ClientBatch, LocalResult
 from fedshard_lightning.engine.groups import Group
 from fedshard_lightning.engine.local import LocalTrainer
-from fedshard_lightning.engine.neighbours import neighbour_dependence
+from fedshard_lightning.engine.neighbours import PROBE_STEPS, first_steps, neighbour_dependence
 from fedshard_lightning.engine.round_plan import RoundPlan
-from fedshard_lightning.engine.schedule import LocalSchedule
 from fedshard_lightning.engine.step_context import NotVectorizable
 from fedshard_lightning.errors import ConfigError
 
@@ -188,7 +187,7 @@ def check_agreement(local: LocalTrainer, start: dict[str, Tensor], batch: Client
 
     ``always`` skips the timing, not the check: a ``training_step`` that vmap batches wrongly and
     no layer shows (a functional ``F.embedding(padding_idx=...)``) would otherwise train a wrong
-    model in silence. Two local steps of a few clients both ways, once per model signature (in
+    model in silence. :data:`.neighbours.PROBE_STEPS` local steps of a few clients both ways, once per model signature (in
     the process, and on disk beside ``auto``'s decisions); the fit's results are not touched.
 
     Raises:
@@ -209,7 +208,7 @@ def check_agreement(local: LocalTrainer, start: dict[str, Tensor], batch: Client
     if not off <= tolerance:
         raise ConfigError(
             f"trainer.vectorize=always: the stacked clients' losses differ from the per-client loop's by "
-            f"{off:.1e} (relative) in two local steps, so training_step does something vmap does not "
+            f"{off:.1e} (relative) in {PROBE_STEPS} local steps, so training_step does something vmap does not "
             "batch exactly; set trainer.vectorize to auto or never"
         )
     dependent = neighbour_dependence(local, start, batch)
@@ -244,7 +243,7 @@ def _sizes(batch: ClientBatch) -> dict[str, int]:
 
 
 def _compare(local: LocalTrainer, start: dict[str, Tensor], batch: ClientBatch) -> tuple[float, float]:
-    """``(disagreement, tolerance)`` of the two paths in two local steps; raises ``NotVectorizable``."""
+    """``(disagreement, tolerance)`` of the two paths in a few local steps; raises ``NotVectorizable``."""
     warm = _two_steps(local, start, batch, _sizes(batch))
     first = next(iter(start.values()))
     return disagreement(warm["stacked"], warm["loop"]), agreement_tolerance(first.dtype, first.device)
@@ -266,16 +265,12 @@ def _runs(
 def _two_steps(
     local: LocalTrainer, start: dict[str, Tensor], batch: ClientBatch, sizes: dict[str, int]
 ) -> dict[str, LocalResult]:
-    """Two local steps of each path's first clients (results apart from the fit's)."""
-    full = local.schedule
-    local.schedule = LocalSchedule(batch_size=full.batch_size, local_steps=2)
-    try:
+    """The first local steps of each path's first clients (results apart from the fit's)."""
+    with first_steps(local, PROBE_STEPS):
         return {
             mode: fn({n: v[: sizes[mode]] for n, v in start.items()}, sub)
             for mode, (fn, sub) in _runs(local, batch, sizes).items()
         }
-    finally:
-        local.schedule = full
 
 
 def agreement_tolerance(dtype: torch.dtype, device: torch.device) -> float:
@@ -283,8 +278,9 @@ def agreement_tolerance(dtype: torch.dtype, device: torch.device) -> float:
 
     Exact models measured on the CPU (MLPs, CNNs with and without BatchNorm and dropout,
     ResNetGN, a scheduler) disagree by at most 1.9e-7 in float32; a functional
-    ``F.embedding(padding_idx=...)``, which vmap batches wrongly, by 6.2e-5. TF32 and half
-    precision round at 1e-3, so there only gross errors can be told from rounding.
+    ``F.embedding(padding_idx=...)``, which vmap batches wrongly, by 5.2e-5 in the probe's
+    :data:`.neighbours.PROBE_STEPS` steps. TF32 and half precision round at 1e-3, so there only
+    gross errors can be told from rounding.
     """
     if dtype == torch.float64:
         return 1e-9
@@ -345,7 +341,7 @@ def time_paths(
     say: Callable[[str], None] | None = None,
     work: int | None = None,
 ) -> tuple[str, str]:
-    """Time two local steps per client both ways (results discarded); ``(cheaper path, reason)``.
+    """Time the first local steps per client both ways (results discarded); ``(cheaper path, reason)``.
 
     Bounded and visible: ``say`` gets a line as it starts and as each part ends. The loop runs
     first on 2 clients (its cost is linear in clients); its speed predicts the call and so the
@@ -354,7 +350,7 @@ def time_paths(
     must agree (losses within rounding); they are timed too, kernel building included, and the
     faster one sets the budget anew. Further interleaved timings, whose best time per client
     counts (one preempted run on a busy machine does not decide), run only while the budget
-    lasts. Where the stacked path is the cheaper, a client's bits must not depend on its
+    lasts, and each sets it anew at the best speed seen. Where the stacked path is the cheaper, a client's bits must not depend on its
     neighbours (:func:`.neighbours.neighbour_dependence`), else the loop trains it; these two
     first runs and that check are what exactness needs, so they run whatever the budget.
 
@@ -369,21 +365,17 @@ def time_paths(
     t0 = time.perf_counter()
     full = _sizes(batch)
     say(
-        f"vectorize: auto: timing the stacked path against the per-client loop (2 local steps of up to "
+        f"vectorize: auto: timing the stacked path against the per-client loop ({PROBE_STEPS} local steps of up to "
         f"{full['stacked']} clients; once per model and machine)"
     )
     runs = _runs(local, batch, full)
     first: dict[str, LocalResult] = {}
     per_client: dict[str, float] = {}
-    local.schedule, schedule = (
-        LocalSchedule(batch_size=local.schedule.batch_size, local_steps=2),
-        local.schedule,
-    )
-    try:
+    with first_steps(local, PROBE_STEPS):
         fn, sub = runs["loop"]
         first["loop"], spent = _timed(fn, start, sub)
         per_client["loop"] = spent / full["loop"]
-        budget = probe_budget(work, per_client["loop"] / 2)
+        budget = probe_budget(work, per_client["loop"] / PROBE_STEPS)
         left = budget - (time.perf_counter() - t0)
         k = full["stacked"]
         if per_client["loop"] * k > left / 2:  # a slow model: fewer stacked clients (never below the loop's)
@@ -404,10 +396,10 @@ def time_paths(
         if not off <= agreement_tolerance(first_dt.dtype, first_dt.device):
             return "loop", (
                 f"vectorize: auto; the stacked clients' losses differ from the per-client loop's by {off:.1e} "
-                "(relative) in two local steps: training_step does something vmap does not batch exactly"
+                f"(relative) in {PROBE_STEPS} local steps: training_step does something vmap does not batch exactly"
             )
         runs["stacked"] = (fn, sub)
-        budget = probe_budget(work, min(per_client.values()) / 2)  # the call at the faster path's speed
+        budget = probe_budget(work, min(per_client.values()) / PROBE_STEPS)  # at the faster path's speed
         repeats = 0
         while repeats < 2:  # timings without kernel building, while the budget lasts
             one = sum(per_client[m] * len(runs[m][1].clients) for m in runs)
@@ -417,8 +409,9 @@ def time_paths(
             for mode, (fn, sub) in runs.items():
                 _, spent = _timed(fn, start, sub)
                 per_client[mode] = min(per_client[mode], spent / len(sub.clients))
-    finally:
-        local.schedule = schedule
+            # Without the first runs' one-time costs (kernel building, warm-up) the predicted call
+            # is shorter, and so is the budget.
+            budget = probe_budget(work, min(per_client.values()) / PROBE_STEPS)
     ms = {m: f"{1e3 * v:.2f}" for m, v in per_client.items()}
     took = time.perf_counter() - t0
     timed = f"{repeats + 1} timing(s) in {took:.1f}s"

@@ -10,6 +10,7 @@ that round alone (``tests/engine/test_plan_ahead.py``).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 import numpy as np
@@ -44,6 +45,19 @@ class BatchPlans:
         self.all_own = np.concatenate(client_indices) if len(client_indices) else np.zeros(0, dtype=np.int64)
         self._ahead: dict[tuple, Plan] = {}
         self._until: dict[tuple, int] = {}
+        self._cut: int | None = None  # first_steps: each round cut to this many steps
+
+    def first_steps(self, steps: int) -> BatchPlans:
+        """These plans with each client's round cut to its first ``steps`` steps, kept apart.
+
+        The path probes train a few steps of the first round. Cut from the real round, a round no
+        longer than ``steps`` is all there (its partial batch, its clients that end early); kept
+        apart, the probe neither takes the plans made ahead for training nor leaves its short
+        ones where training would take them.
+        """
+        other = copy.copy(self)  # the clients' sample arrays are shared, read-only
+        other._ahead, other._until, other._cut = {}, {}, steps
+        return other
 
     def plan(
         self, clients: Sequence[int], groups: Sequence[int], stage: int, rounds: Sequence[int]
@@ -138,6 +152,9 @@ class BatchPlans:
 
     def __call__(self, batch: ClientBatch) -> Plan:
         """The plan of ``batch``: made ahead, or now (with the rounds :meth:`expect`-ed after it)."""
+        if self._cut is not None:
+            gidx, sizes, steps = self.plan(batch.clients, batch.groups, batch.stage, [batch.round])[0]
+            return gidx[:, : self._cut], sizes[:, : self._cut], np.minimum(steps, self._cut)
         key = (batch.stage, tuple(batch.clients), tuple(batch.groups))
         got = self._ahead.pop((*key, batch.round), None)
         if got is not None:
