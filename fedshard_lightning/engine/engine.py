@@ -42,6 +42,7 @@ from fedshard_lightning.engine.local_layers import LocalLayers
 from fedshard_lightning.engine.optim import OptimizerSpec, optimizer_spec
 from fedshard_lightning.engine.participants import KeyedSampling, ParticipantPolicy
 from fedshard_lightning.engine.path_choice import check_agreement, choose_path, first_round_sample
+from fedshard_lightning.engine.ranks import Ranks, RoundRecorder
 from fedshard_lightning.engine.round_plan import RoundPlan
 from fedshard_lightning.engine.schedule import LocalSchedule
 from fedshard_lightning.engine.stages import train_stages
@@ -329,6 +330,51 @@ class FederatedEngine:
         An unlearning request's replay is such a sequence; see :func:`.stages.train_stages`.
         """
         return train_stages(self, jobs, init_of)
+
+    def train_groups_split(
+        self,
+        ranks: Ranks,
+        init: dict[str, Tensor],
+        groups: Sequence[Group],
+        stage: int = 0,
+        on_round_end: Callable[[RoundInfo, dict[str, Tensor]], Sequence[bool] | None] | None = None,
+        keep_client_params: bool = False,
+        on_merged_round: Callable[[RoundInfo, dict[str, Tensor], Sequence[Group]], None] | None = None,
+    ) -> TrainResult:
+        """:meth:`train_groups` with the groups split across processes; every rank gets every group's result.
+
+        Rank r trains groups r, r+W, ... (:meth:`Ranks.share`); the models, client-steps and rounds
+        run are gathered in group order. Groups are independent (keyed randomness), so the gathered
+        models equal a single-process run's. ``on_round_end`` sees this rank's rounds with global
+        group indices and may stop its groups; ``on_merged_round`` hears, after the stage and on
+        every rank alike, each round merged over all ranks (:class:`RoundRecorder`), so per-round
+        metrics describe the whole stage, not one rank's part.
+        """
+        mine = ranks.share(len(groups))
+        idx = torch.as_tensor(mine, dtype=torch.long, device=next(iter(init.values())).device)
+        sub_init = {k: v.index_select(0, idx) for k, v in init.items()}
+        rounds = RoundRecorder(groups, mine, self.sizes.tolist(), init) if on_merged_round else None
+
+        def hook(info: RoundInfo, state: dict[str, Tensor]) -> Sequence[bool] | None:
+            if rounds is not None:
+                rounds.record(info, state)
+            if on_round_end is None:
+                return None
+            local = RoundInfo(**{**vars(info), "active": [mine[a] for a in info.active]})
+            flags = on_round_end(local, state)
+            return None if flags is None else [bool(flags[g]) for g in mine]
+
+        res = self.train_groups(sub_init, [groups[i] for i in mine], stage, hook, keep_client_params)
+        params = {k: ranks.gather_rows(v, len(groups)) for k, v in res.params.items()}
+        counters = torch.zeros(len(mine), 2, dtype=torch.long)
+        counters[:, 0] = torch.as_tensor(res.group_client_steps, dtype=torch.long)
+        counters[:, 1] = torch.as_tensor(res.rounds_run, dtype=torch.long)
+        both = ranks.gather_rows(counters.to(idx.device), len(groups)).cpu()
+        steps, rounds_run = [int(v) for v in both[:, 0]], [int(v) for v in both[:, 1]]
+        if rounds is not None:
+            for info, avg, everyone in rounds.merged(ranks.all_gather):
+                on_merged_round(info, avg, everyone)
+        return TrainResult(params, sum(steps), steps, rounds_run, res.seconds, res.history)
 
     def train_groups(
         self,

@@ -39,7 +39,6 @@ from fedshard_lightning.errors import CacheError, ConfigError, ContractError
 from fedshard_lightning.init_args import RecordsInitArgs
 from fedshard_lightning.unlearning.context import AlgorithmContext, LoopEvents
 from fedshard_lightning.unlearning.contract import REQUIRED, UnlearnResult, check_result, is_tensor_dict
-from fedshard_lightning.unlearning.rank_rounds import RoundRecorder
 
 __all__ = ["Algorithm", "UnlearnResult", "check_implemented"]
 
@@ -208,8 +207,16 @@ class Algorithm(RecordsInitArgs):
     ) -> TrainResult:
         """Train groups with the engine; every round is reported to the events when ``report``."""
         events = self.events
-        if self.ctx is not None and self.ctx.world_size > 1 and len(groups) > 1:
-            res = self._train_distributed(init, groups, stage, on_round_end, keep_client_params, report)
+        if self.ctx is not None and self.ctx.world_size > 1 and len(groups) > 1:  # the engine splits them
+            res = self.engine.train_groups_split(
+                self.ctx.ranks,
+                init,
+                groups,
+                stage,
+                on_round_end,
+                keep_client_params,
+                events.round_end if report else None,
+            )
             events.groups_trained(stage, groups, res.client_steps)
             return res
 
@@ -248,57 +255,6 @@ class Algorithm(RecordsInitArgs):
         if results:
             self.events.groups_trained(*jobs[-1], results[-1].client_steps)
         return results
-
-    def _train_distributed(
-        self,
-        init: dict[str, Tensor],
-        groups: Sequence[Group],
-        stage: int,
-        on_round_end: Callable[[RoundInfo, dict[str, Tensor]], Sequence[bool] | None] | None,
-        keep_client_params: bool,
-        report: bool,
-    ) -> TrainResult:
-        """Multi-process: rank r trains groups r, r+W, ...; the results are gathered in order.
-
-        Groups are independent (keyed randomness), so the gathered models equal a single-process
-        run. Each rank records its rounds; after the stage every rank reports the merged rounds
-        (all groups' losses, participants and client-steps; the sample-weighted average model
-        summed across ranks), so per-round metrics describe the whole stage, not rank zero's part.
-        """
-        world, rank, gather = self.ctx.world_size, self.ctx.global_rank, self.ctx.all_gather
-        mine = list(range(rank, len(groups), world))
-        sub_groups = [groups[i] for i in mine]
-        idx = torch.as_tensor(mine, dtype=torch.long, device=next(iter(init.values())).device)
-        sub_init = {k: v.index_select(0, idx) for k, v in init.items()}
-        rounds = RoundRecorder(groups, mine, self.ctx.client_sizes, init) if report else None
-
-        def hook(info: RoundInfo, state: dict[str, Tensor]) -> Sequence[bool] | None:
-            if rounds is not None:
-                rounds.record(info, state)
-            if on_round_end is None:
-                return None
-            local = RoundInfo(**{**vars(info), "active": [mine[a] for a in info.active]})
-            flags = on_round_end(local, state)
-            return None if flags is None else [bool(flags[g]) for g in mine]
-
-        res = self.engine.train_groups(sub_init, sub_groups, stage, hook, keep_client_params)
-        per = -(-len(groups) // world)
-        params = {}
-        for k, v in res.params.items():
-            padded = torch.zeros(per, *v.shape[1:], dtype=v.dtype, device=v.device)
-            padded[: len(mine)] = v
-            gathered = gather(padded)  # [world, per, ...]
-            params[k] = torch.stack([gathered[g % world, g // world] for g in range(len(groups))])
-        counters = torch.zeros(per, 2, dtype=torch.long)
-        counters[: len(mine), 0] = torch.as_tensor(res.group_client_steps, dtype=torch.long)
-        counters[: len(mine), 1] = torch.as_tensor(res.rounds_run, dtype=torch.long)
-        allc = gather(counters.to(self.ctx.device)).cpu()
-        steps = [int(allc[g % world, g // world, 0]) for g in range(len(groups))]
-        rounds_run = [int(allc[g % world, g // world, 1]) for g in range(len(groups))]
-        if rounds is not None:
-            for info, avg, everyone in rounds.merged(gather):
-                self.events.round_end(info, avg, everyone)
-        return TrainResult(params, sum(steps), steps, rounds_run, res.seconds, res.history)
 
     # -- cache (files only; the trainer commits) ----------------------------------------------------
     def cache_files(self, cache: Any) -> tuple[dict[str, Any], dict[str, dict[str, Tensor]], dict[str, str]]:

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from fedshard_lightning.engine import FederatedEngine, Group, LocalSchedule, RoundInfo
+from fedshard_lightning.engine.ranks import Ranks
 
 __all__ = ["AlgorithmContext", "LoopEvents"]
 
@@ -77,6 +78,13 @@ class AlgorithmContext:
     world_size: int = 1
     global_rank: int = 0
     all_gather: Callable[[Tensor], Tensor] | None = None
+
+    @property
+    def ranks(self) -> Ranks:
+        """The processes as the engine splits a stage across them (:class:`~fedshard_lightning.engine.ranks.Ranks`)."""
+        if self.world_size > 1 and self.all_gather is None:
+            raise ValueError("AlgorithmContext: world_size > 1 needs all_gather")
+        return Ranks(self.world_size, self.global_rank, self.all_gather or (lambda t: t.unsqueeze(0)))
 
     @property
     def num_clients(self) -> int:

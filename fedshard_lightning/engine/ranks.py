@@ -1,6 +1,9 @@
-"""Per-round records of a stage split across processes (Fabric DDP), merged into whole-stage rounds.
+"""A stage split across processes (Fabric DDP): who trains which groups, and the rounds merged back.
 
-Under DDP rank ``r`` trains groups ``r, r + W, ...`` and sees only their rounds. Reporting those
+:class:`Ranks` names the processes; :meth:`FederatedEngine.train_groups_split
+<fedshard_lightning.engine.engine.FederatedEngine.train_groups_split>` trains this rank's share of
+a stage and gathers every group's model, in order. Under DDP rank ``r`` trains groups
+``r, r + W, ...`` and sees only their rounds. Reporting those
 live would make every per-round metric (train loss, participants, client-steps, test accuracy)
 describe one rank's share of the stage. :class:`RoundRecorder` keeps, for each round, the rank's
 summary and the sample-weighted sum of its groups' models (weights normalised over all groups of
@@ -11,15 +14,43 @@ rounds: what a single process would have reported, up to the order of the float 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fedshard_lightning.engine import Group, RoundInfo
+from fedshard_lightning.engine.groups import Group, RoundInfo
 
-__all__ = ["RoundRecorder"]
+__all__ = ["Ranks", "RoundRecorder"]
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """The processes that train one stage together.
+
+    Attributes:
+        world_size: Number of processes.
+        rank: This process's rank.
+        all_gather: Gathers a tensor from every rank, stacked ``[world_size, ...]`` (Fabric's).
+    """
+
+    world_size: int
+    rank: int
+    all_gather: Callable[[Tensor], Tensor]
+
+    def share(self, num_groups: int) -> list[int]:
+        """Indices of the groups this rank trains: ``rank, rank + W, ...``."""
+        return list(range(self.rank, num_groups, self.world_size))
+
+    def gather_rows(self, rows: Tensor, num_groups: int) -> Tensor:
+        """Every rank's rows (this rank's share, in :meth:`share` order) as one tensor in group order."""
+        per = -(-num_groups // self.world_size)
+        padded = torch.zeros(per, *rows.shape[1:], dtype=rows.dtype, device=rows.device)
+        padded[: rows.shape[0]] = rows
+        gathered = self.all_gather(padded)  # [world, per, ...]
+        return torch.stack([gathered[g % self.world_size, g // self.world_size] for g in range(num_groups)])
 
 
 class RoundRecorder:
