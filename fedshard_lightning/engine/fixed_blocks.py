@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fedshard_lightning.engine.client_loop import ClientBatch, LocalResult
+from fedshard_lightning.engine.kernels.loop import ClientBatch, LocalResult
 
 if TYPE_CHECKING:
     from fedshard_lightning.engine.local import LocalTrainer

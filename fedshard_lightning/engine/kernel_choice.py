@@ -1,6 +1,6 @@
 """Which stacked kernel trains a model: the hand-written chain, the fx program, or ``vmap``.
 
-The fastest kernel that reproduces the user's loss wins (:mod:`.kernel_check`). The chain is
+The fastest kernel that reproduces the user's loss wins (:mod:`.kernels.check`). The chain is
 compared with the user's loss directly; the fx program, from which the chain is read, needs its
 own comparison only when it trains (no chain).
 """
@@ -12,9 +12,9 @@ from typing import Literal
 
 from torch import Tensor, nn
 
-from fedshard_lightning.engine.chain import StackedChain
-from fedshard_lightning.engine.kernel_check import Unsupported, reference
-from fedshard_lightning.engine.stacked import ConvMode, Kernel, KernelChoice, StackedProgram
+from fedshard_lightning.engine.kernels.chain import StackedChain
+from fedshard_lightning.engine.kernels.check import Unsupported, reference
+from fedshard_lightning.engine.kernels.fx import ConvMode, Kernel, KernelChoice, StackedProgram
 
 __all__ = ["choose_kernel"]
 

@@ -6,8 +6,8 @@ steps (clients with more data take more steps); at every step the clients still 
 prefix of that order, so finished clients are retired (their parameters copied out) and the
 optimizer state is sliced, never masked.
 
-Stacked kernels, fastest first: the hand-written chain (:mod:`.chain`), the fx rewrite
-(:mod:`.stacked`), and ``vmap`` of the user's ``training_step``. The first two exist only for
+Stacked kernels, fastest first: the hand-written chain (:mod:`.kernels.chain`), the fx rewrite
+(:mod:`.kernels.fx`), and ``vmap`` of the user's ``training_step``. The first two exist only for
 models made of per-sample operations, so they pad partial batches and mask them (one call per
 step); under ``vmap`` a partial batch is exact for any model by calling the training step once
 per distinct batch size at that step.
@@ -25,18 +25,18 @@ from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
 from fedshard_lightning.data.base import FederatedDataModule
-from fedshard_lightning.engine.chain import StackedChain
-from fedshard_lightning.engine.client_loop import ClientBatch, LocalResult, run_client_loop
 from fedshard_lightning.engine.fixed_blocks import train_in_blocks
 from fedshard_lightning.engine.grad_clip import GradClip, clip_rows
 from fedshard_lightning.engine.kernel_choice import choose_kernel
+from fedshard_lightning.engine.kernels.chain import StackedChain
+from fedshard_lightning.engine.kernels.fx import ConvMode, Kernel, KernelChoice, StackedProgram
+from fedshard_lightning.engine.kernels.loop import ClientBatch, LocalResult, run_client_loop
 from fedshard_lightning.engine.lone_rows import min_rows
 from fedshard_lightning.engine.mixed_sizes import mixed_sizes_fixed, mixed_sizes_split
 from fedshard_lightning.engine.optim import OptimizerSpec, RoundLR, fused_sgd_lr, round_lr, shrink_optimizer
 from fedshard_lightning.engine.plan_ahead import BatchPlans
 from fedshard_lightning.engine.row_optim import RowOptimizer, needs_rows
 from fedshard_lightning.engine.schedule import LocalSchedule
-from fedshard_lightning.engine.stacked import ConvMode, Kernel, KernelChoice, StackedProgram
 from fedshard_lightning.engine.step_context import NotVectorizable, StepContext, step_keys, step_loss
 from fedshard_lightning.engine.step_layout import StepLayouts
 from fedshard_lightning.engine.vmap_limits import not_vectorizable, vmap_blocker

@@ -18,8 +18,8 @@ from torch import nn
 
 from fedshard_lightning.data import DigitsDataModule, SyntheticDataModule
 from fedshard_lightning.engine import FederatedEngine, LocalSchedule, stack_params
+from fedshard_lightning.engine.kernels.per_client_ops import ClientChunks, PerClient
 from fedshard_lightning.engine.local import ClientBatch, Kernel
-from fedshard_lightning.engine.per_client_ops import ClientChunks, PerClient
 from fedshard_lightning.models import MLP
 
 ACTIVATIONS = {

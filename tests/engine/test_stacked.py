@@ -9,10 +9,10 @@ from torch import nn
 
 from fedshard_lightning.data import SyntheticDataModule
 from fedshard_lightning.engine import FederatedEngine, Group, LocalSchedule, stack_params
-from fedshard_lightning.engine.chain import StackedChain
-from fedshard_lightning.engine.kernel_check import Unsupported, reference
+from fedshard_lightning.engine.kernels.chain import StackedChain
+from fedshard_lightning.engine.kernels.check import Unsupported, reference
+from fedshard_lightning.engine.kernels.fx import StackedProgram
 from fedshard_lightning.engine.local import Kernel, KernelChoice
-from fedshard_lightning.engine.stacked import StackedProgram
 from fedshard_lightning.models import MLP, FedAvgCNN
 from fedshard_lightning.module import FederatedModule
 

@@ -1,6 +1,6 @@
 """Hand-written backward for stacked layer chains, with the plain-SGD update fused into it.
 
-For a model whose stacked program (:mod:`fedshard_lightning.engine.stacked`) is a simple chain
+For a model whose stacked program (:mod:`fedshard_lightning.engine.kernels.fx`) is a simple chain
 (input -> layer -> ... -> cross-entropy), the gradients of all clients are computed by explicit
 backward formulas instead of autograd, and plain SGD applies each weight's update inside the
 matrix product that computes its gradient (``W <- W - lr * g^T h`` as one ``baddbmm``), so no
@@ -8,7 +8,7 @@ gradient tensor is ever written. A small model's stacked step is bound by the nu
 and the memory they touch, not by arithmetic, so skipping autograd's graph and the gradient
 tensors is most of what makes small MLPs fast (the "fx+chain" kernel of docs/benchmarks.md's
 engine-vs-loop table). The result equals autograd on the user's loss up to floating-point
-rounding, which the engine checks before using it (:mod:`.kernel_check`).
+rounding, which the engine checks before using it (:mod:`.check`).
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
-from fedshard_lightning.engine.chain_dense import DenseChain
-from fedshard_lightning.engine.kernel_check import Reference, Unsupported, require_close
-from fedshard_lightning.engine.per_client_ops import PerClient
-from fedshard_lightning.engine.stacked import StackedProgram, stacked_conv2d, stacked_linear
+from fedshard_lightning.engine.kernels.chain_dense import DenseChain
+from fedshard_lightning.engine.kernels.check import Reference, Unsupported, require_close
+from fedshard_lightning.engine.kernels.fx import StackedProgram, stacked_conv2d, stacked_linear
+from fedshard_lightning.engine.kernels.per_client_ops import PerClient
 
 __all__ = ["StackedChain"]
 

@@ -14,7 +14,7 @@ models are chains of standard layers, so :class:`StackedProgram` traces ``per_sa
 Anything else (batch statistics, buffers, parameters used outside a supported layer, an operator
 not known to be per-sample) keeps the ``vmap`` path. Before it trains, the program is checked
 against ``vmap`` of the user's loss on the run's own data with distinct parameters per client
-(:mod:`.kernel_check`), so a rewrite that mixed clients or samples is refused rather than trusted.
+(:mod:`.check`), so a rewrite that mixed clients or samples is refused rather than trusted.
 """
 
 from __future__ import annotations
@@ -29,14 +29,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
-from fedshard_lightning.engine.kernel_check import (
+from fedshard_lightning.engine.kernels.check import (
     Reference,
     Unsupported,
     _LossOf,
     require_close,
 )
-from fedshard_lightning.engine.per_client_ops import ClientChunks, per_client_op
-from fedshard_lightning.engine.trace import trace
+from fedshard_lightning.engine.kernels.per_client_ops import ClientChunks, per_client_op
+from fedshard_lightning.engine.kernels.trace import trace
 
 __all__ = [
     "ConvMode",
@@ -135,8 +135,8 @@ _LOSSES = (F.cross_entropy, F.nll_loss)
 class Kernel(enum.Enum):
     """The stacked kernel family in use, fastest first."""
 
-    CHAIN = "fx+chain"  # hand-written forward and backward (engine/chain.py)
-    FX = "fx"  # the fx rewrite of per_sample_loss, autograd backward (engine/stacked.py)
+    CHAIN = "fx+chain"  # hand-written forward and backward (engine/kernels/chain.py)
+    FX = "fx"  # the fx rewrite of per_sample_loss, autograd backward (engine/kernels/fx.py)
     VMAP = "vmap"  # torch.func.vmap of the user's training_step
 
 
@@ -339,7 +339,7 @@ class StackedProgram:
         """Compare losses and gradients with the user's loss (``ref``); raise :class:`Unsupported` if they differ.
 
         Args:
-            ref: :func:`~.kernel_check.reference` on the same samples.
+            ref: :func:`~.check.reference` on the same samples.
             x: Samples [C, B, ...] (C >= 2 clients).
             y: Labels [C, B].
             rtol: Relative tolerance (of the largest magnitude of each tensor).

@@ -1,0 +1,1 @@
+"""The gradient kernels that train stacked clients, and the per-client loop they are compared with."""
