@@ -39,7 +39,6 @@ ROOT_LIMIT = 10
 # files: module-level functions that take the object of the module that calls them. Remove an
 # entry when its circle is gone; a new one fails.
 ANNOTATION_CIRCLES = {
-    ("engine.kernels.loop", "engine.local"),
     ("engine.fixed_blocks", "engine.local"),
     ("engine.lean_frames", "engine.lean_rounds"),
     ("engine.lean_rounds", "engine.engine"),

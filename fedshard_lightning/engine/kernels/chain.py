@@ -21,12 +21,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
+from fedshard_lightning.engine.kernels.base import Probe, StackedKernel
 from fedshard_lightning.engine.kernels.chain_dense import DenseChain
 from fedshard_lightning.engine.kernels.check import Reference, Unsupported, require_close
-from fedshard_lightning.engine.kernels.fx import StackedProgram, stacked_conv2d, stacked_linear
+from fedshard_lightning.engine.kernels.fx import FX, StackedProgram, stacked_conv2d, stacked_linear
 from fedshard_lightning.engine.kernels.per_client_ops import PerClient
 
-__all__ = ["StackedChain"]
+__all__ = ["CHAIN", "ChainKernel", "StackedChain"]
 
 _aten = torch.ops.aten
 
@@ -335,3 +336,46 @@ class StackedChain:
             rtol,
             "the hand-written backward disagrees with the model's loss",
         )
+
+
+class ChainKernel(StackedKernel):
+    """The hand-written chain as a kernel, read off the fx program and checked on its own."""
+
+    name = "fx+chain"
+    reason = "hand-written forward and backward for MLP/CNN chains: the fastest, batch-invariant"
+    batch_invariant = True
+
+    def chain(self, probe: Probe) -> StackedChain:
+        """The chain read off the probe's fx program and checked against the user's loss, built once.
+
+        Raises :class:`Unsupported` where the program is not a chain or the chain disagrees.
+        """
+        if "chain" not in probe.built:
+            try:
+                program, ref = FX.program(probe)
+                chain = StackedChain.from_program(program, probe.conv_mode)
+                chain.check(ref, *probe.sample)
+                probe.built["chain"] = chain
+            except Unsupported as err:
+                probe.built["chain"] = err
+        got = probe.built["chain"]
+        if isinstance(got, Unsupported):
+            raise got
+        return got
+
+    def unsupported(self, probe: Probe) -> str | None:
+        """None if the model's loss is a chain whose steps reproduce the user's loss."""
+        if probe.not_maskable is not None:
+            return f"no chain: {probe.not_maskable}"
+        try:
+            self.chain(probe)
+        except Unsupported as err:
+            return f"no chain: {err}"
+        return None
+
+    def parts(self, probe: Probe) -> tuple[StackedProgram, StackedChain]:
+        """The fx program the chain was read from, and the chain."""
+        return FX.program(probe)[0], self.chain(probe)
+
+
+CHAIN = ChainKernel()
