@@ -35,16 +35,10 @@ LAYERS: list[set[str]] = [
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 ROOT_LIMIT = 10
-# Back-references made for annotations only (``if TYPE_CHECKING:``), each closing a circle of
-# files: module-level functions that take the object of the module that calls them. Remove an
-# entry when its circle is gone; a new one fails.
-ANNOTATION_CIRCLES = {
-    ("engine.client_loop", "engine.local"),
-    ("engine.fixed_blocks", "engine.local"),
-    ("engine.lean_frames", "engine.lean_rounds"),
-    ("engine.lean_rounds", "engine.engine"),
-    ("engine.stages", "engine.engine"),
-}
+# Back-references made for annotations only (``if TYPE_CHECKING:``) that close a circle of files:
+# none. A module-level function that takes the object of the module calling it types it by a
+# Protocol of its own module (``kernels.base.Trainer``, ``lean_frames.LeanEngine``) instead.
+ANNOTATION_CIRCLES: set[tuple[str, str]] = set()
 
 __doc__ += "\n" + "\n".join(f"{i}. {', '.join(sorted(layer))}" for i, layer in enumerate(LAYERS)) + "\n"
 

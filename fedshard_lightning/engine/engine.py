@@ -37,7 +37,7 @@ from fedshard_lightning.engine.groups import (
     unstack_params,
 )
 from fedshard_lightning.engine.lean_rounds import lean_eligible, run_lean
-from fedshard_lightning.engine.local import ClientBatch, Kernel, LocalResult, LocalTrainer, NotVectorizable
+from fedshard_lightning.engine.local import ClientBatch, LocalResult, LocalTrainer, NotVectorizable
 from fedshard_lightning.engine.local_layers import LocalLayers
 from fedshard_lightning.engine.optim import OptimizerSpec, optimizer_spec
 from fedshard_lightning.engine.participants import KeyedSampling, ParticipantPolicy
@@ -265,8 +265,8 @@ class FederatedEngine:
         self.local.program()
         key = (self.local.kernel_choice, self.local.conv_mode, self.local.compiled)
         if self._block is None or self._block[0] != key:  # asked every round: decided once
-            fx = key[0].kernel in (Kernel.CHAIN, Kernel.FX)
-            free = not self._cuda and fx and key[1] == "per_client" and not key[2]
+            own_gemms = key[0].kernel.batch_invariant  # chain, fx: each client's own GEMMs
+            free = not self._cuda and own_gemms and key[1] == "per_client" and not key[2]
             # constant: a block that followed the chunk size would vary with it
             self._block = (key, None if free else 64 if self._cuda else 8)
         return self._block[1]

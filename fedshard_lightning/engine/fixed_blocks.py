@@ -8,22 +8,17 @@ one padded with inert copies of its last client whose results are dropped.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 from torch import Tensor
 
-from fedshard_lightning.engine.client_loop import ClientBatch, LocalResult
-
-if TYPE_CHECKING:
-    from fedshard_lightning.engine.local import LocalTrainer
+from fedshard_lightning.engine.kernels.base import ClientBatch, LocalResult, Trainer
 
 __all__ = ["train_in_blocks"]
 
 
 def train_in_blocks(
-    local: LocalTrainer, q: int, state: dict[str, Tensor], rows: Tensor, batch: ClientBatch
+    local: Trainer, q: int, state: dict[str, Tensor], rows: Tensor, batch: ClientBatch
 ) -> LocalResult:
     """``local.train_stacked`` of ``batch`` (state rows ``rows``) in fixed-shape calls of ``q`` clients."""
     parts = []

@@ -1,20 +1,22 @@
-"""Which stacked kernel trains a model: the hand-written chain, the fx program, or ``vmap``.
+"""Which stacked kernel trains a model: the first of the registry's that can train it exactly.
 
-The fastest kernel that reproduces the user's loss wins (:mod:`.kernel_check`). The chain is
-compared with the user's loss directly; the fx program, from which the chain is read, needs its
-own comparison only when it trains (no chain).
+The registry (:data:`~.kernels.STACKED`) lists the stacked kernels fastest first: the
+hand-written chain, the fx program, ``vmap``. Each says through ``unsupported`` whether it
+reproduces the user's loss (:mod:`.kernels.check`); the first that does trains, and the choice
+records why the one before it did not. The chain is compared with the user's loss directly; the
+fx program, from which the chain is read, needs its own comparison only when it trains (no chain).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Literal
+from collections.abc import Callable, Sequence
 
 from torch import Tensor, nn
 
-from fedshard_lightning.engine.chain import StackedChain
-from fedshard_lightning.engine.kernel_check import Unsupported, reference
-from fedshard_lightning.engine.stacked import ConvMode, Kernel, KernelChoice, StackedProgram
+from fedshard_lightning.engine.kernels import STACKED, VMAP, KernelChoice, Probe, by_name
+from fedshard_lightning.engine.kernels.base import ConvMode
+from fedshard_lightning.engine.kernels.chain import StackedChain
+from fedshard_lightning.engine.kernels.fx import StackedProgram
 
 __all__ = ["choose_kernel"]
 
@@ -23,34 +25,31 @@ def choose_kernel(
     module: nn.Module,
     names: Sequence[str],
     conv_mode: ConvMode,
-    kernel: Literal["auto", "fx"],
-    sample: tuple[Tensor, Tensor],
+    kernel: str,
+    sample: Callable[[], tuple[Tensor, Tensor]],
+    not_maskable: str | None = None,
 ) -> tuple[KernelChoice, StackedProgram | None, StackedChain | None]:
-    """The kernel choice, the fx program (None: keep vmap) and the chain (None: no chain).
+    """The kernel choice, the fx program (None: not used) and the chain (None: no chain).
 
     Args:
-        module: The user's model (a :class:`~fedshard_lightning.module.FederatedModule` whose
-            ``training_step`` is the default mean of ``per_sample_loss``).
+        module: The user's model.
         names: Trainable parameter names.
         conv_mode: How stacked convolutions run.
-        kernel: ``auto`` (chain if it checks, else fx) or ``fx`` (the fx program only).
-        sample: Samples [C, B, ...] and labels [C, B] of a few clients, for the checks.
+        kernel: ``auto`` (the first stacked kernel that can train the model), or a stacked
+            kernel's name: that one, else the next that can (``fx``: the fx program only;
+            ``vmap``: ``vmap`` without asking the others).
+        sample: Makes samples [C, B, ...] and labels [C, B] of a few clients, for the checks.
+        not_maskable: Why the loss is not a mean of ``per_sample_loss`` (None where it is).
     """
-    try:
-        program = StackedProgram.build(module, names, conv_mode)
-        ref = reference(module, *sample, names)
-    except Unsupported as err:
-        return KernelChoice(Kernel.VMAP, str(err)), None, None
-    why = "not asked (kernel: fx)"
-    if kernel == "auto":
-        try:
-            chain = StackedChain.from_program(program, conv_mode)
-            chain.check(ref, *sample)
-            return KernelChoice(Kernel.CHAIN), program, chain
-        except Unsupported as err:
-            why = str(err)
-    try:
-        program.check(ref, *sample)
-    except Unsupported as err:
-        return KernelChoice(Kernel.VMAP, str(err)), None, None
-    return KernelChoice(Kernel.FX, f"no chain: {why}" if kernel == "auto" else ""), program, None
+    if kernel == VMAP.name:
+        return KernelChoice(VMAP, "chosen"), None, None
+    first = 0 if kernel == "auto" else STACKED.index(by_name(kernel))
+    probe = Probe(module, names, conv_mode, sample, not_maskable)
+    why = ""
+    for candidate in STACKED[first:]:
+        refused = candidate.unsupported(probe)
+        if refused is None:
+            program, chain = candidate.parts(probe)
+            return KernelChoice(candidate, why), program, chain
+        why = refused
+    raise AssertionError("vmap trains every model stacked or says why when it trains")

@@ -11,19 +11,86 @@ in memory the stage before it has just used (still in cache) rather than in a co
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from fedshard_lightning.engine.aggregate import BlockPlan, SumLayout
+from fedshard_lightning.engine.groups import Group, RoundInfo, TrainResult
 from fedshard_lightning.engine.lean_sums import InPlaceSums
+from fedshard_lightning.engine.local import LocalTrainer
 from fedshard_lightning.engine.lone_rows import min_rows
+from fedshard_lightning.engine.round_plan import Chunk
 
-if TYPE_CHECKING:
-    from fedshard_lightning.engine.lean_rounds import _Segment
+__all__ = ["Frame", "LeanEngine", "Segment", "frame_for"]
 
-__all__ = ["Frame", "frame_for"]
+
+class LeanEngine(Protocol):
+    """What the lean rounds read from the engine (:class:`.engine.FederatedEngine`)."""
+
+    local: LocalTrainer
+    sizes: np.ndarray
+    chunk: int
+    sum_plans: dict
+    lean_frames: dict
+    lean_arena: dict
+    lean_rounds: bool
+    buffer_names: list[str]
+    local_names: list[str]
+
+    @property
+    def mode(self) -> str | None:
+        """The local-training path (``stacked`` or ``loop``), once decided."""
+        ...
+
+    @property
+    def samples_everyone(self) -> bool:
+        """Whether every client of a group trains in every round."""
+        ...
+
+    def participants(self, stage: int, group: Group, round_: int) -> list[int]:
+        """The clients of ``group`` that train in round ``round_``."""
+        ...
+
+    def invariant_block(self) -> int | None:
+        """Clients per fixed-shape stacked call, or None where none is needed."""
+        ...
+
+    def announce(self) -> None:
+        """Report the local-training path once."""
+        ...
+
+    def decide(self, init: dict[str, Tensor], groups: Sequence[Group], stage: int) -> None:
+        """Decide the local-training path before the first round."""
+        ...
+
+    def train_groups(
+        self,
+        init: dict[str, Tensor],
+        groups: Sequence[Group],
+        stage: int = 0,
+        on_round_end: Callable[[RoundInfo, dict[str, Tensor]], Sequence[bool] | None] | None = None,
+        keep_client_params: bool = False,
+    ) -> TrainResult:
+        """FedAvg of every group from its row of ``init`` for its own number of rounds."""
+        ...
+
+
+class Segment(Protocol):
+    """What a frame reads from a segment of lean rounds (``lean_rounds._Segment``)."""
+
+    engine: LeanEngine
+    m: int
+    groups: Sequence[Group]
+    owners: list[int]
+    dtypes: tuple[torch.dtype, ...]
+    layout: SumLayout
+    chunk: Chunk
+    block: BlockPlan
+
 
 # A round's samples are gathered in one call when they take at most this much memory.
 _WHOLE_ROUND_BYTES = 16 << 20
@@ -33,7 +100,7 @@ _FRAMES_BYTES = 64 << 20
 _FRAMES = 16
 
 
-def frame_for(seg: _Segment, gsz: np.ndarray, steps: np.ndarray, dev: torch.device) -> Frame:
+def frame_for(seg: Segment, gsz: np.ndarray, steps: np.ndarray, dev: torch.device) -> Frame:
     """The frame of a segment's shapes: the engine's kept one, or a new one.
 
     A new frame laid out in a grown block drops the kept ones (they lie in the old block); one with
@@ -77,7 +144,7 @@ class Frame:
     in a second row (``pad``), and a step keeps finished rows up to two (``rows_at``).
     """
 
-    def __init__(self, seg: _Segment, gsz: np.ndarray, steps: np.ndarray, dev: torch.device) -> None:
+    def __init__(self, seg: Segment, gsz: np.ndarray, steps: np.ndarray, dev: torch.device) -> None:
         local, m, layout = seg.engine.local, seg.m, seg.layout
         self.gsz, self.steps = gsz, steps
         lay = self.lay = local.layouts(gsz, steps, dev, True)

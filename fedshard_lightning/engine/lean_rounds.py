@@ -24,7 +24,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -32,19 +31,16 @@ from torch import Tensor
 
 from fedshard_lightning.engine.aggregate import _ONE_PASS, SumLayout, cached_block_plan
 from fedshard_lightning.engine.groups import Group, RoundInfo, TrainResult, check_finite
-from fedshard_lightning.engine.lean_frames import Frame, frame_for
+from fedshard_lightning.engine.lean_frames import Frame, LeanEngine, frame_for
 from fedshard_lightning.engine.optim import fused_sgd_lr
 from fedshard_lightning.engine.round_plan import RoundPlan
-
-if TYPE_CHECKING:
-    from fedshard_lightning.engine.engine import FederatedEngine
 
 __all__ = ["RoundHook", "lean_eligible", "run_lean", "segment_span"]
 
 RoundHook = Callable[[RoundInfo, dict[str, Tensor]], Sequence[bool] | None]
 
 
-def lean_eligible(engine: FederatedEngine, groups: Sequence[Group]) -> bool:
+def lean_eligible(engine: LeanEngine, groups: Sequence[Group]) -> bool:
     """Whether :func:`run_lean` can run these groups (the caller keeps no client parameters)."""
     local = engine.local
     if engine.mode != "stacked" or engine.local_names or engine.buffer_names or not engine.samples_everyone:
@@ -66,7 +62,7 @@ def segment_span(
 
 
 def run_lean(
-    engine: FederatedEngine,
+    engine: LeanEngine,
     init: dict[str, Tensor],
     groups: Sequence[Group],
     stage: int,
@@ -151,7 +147,7 @@ class _Segment:
 
     def __init__(
         self,
-        engine: FederatedEngine,
+        engine: LeanEngine,
         state: dict[str, Tensor],
         layout: SumLayout,
         groups: Sequence[Group],

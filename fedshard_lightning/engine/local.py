@@ -6,11 +6,12 @@ steps (clients with more data take more steps); at every step the clients still 
 prefix of that order, so finished clients are retired (their parameters copied out) and the
 optimizer state is sliced, never masked.
 
-Stacked kernels, fastest first: the hand-written chain (:mod:`.chain`), the fx rewrite
-(:mod:`.stacked`), and ``vmap`` of the user's ``training_step``. The first two exist only for
-models made of per-sample operations, so they pad partial batches and mask them (one call per
-step); under ``vmap`` a partial batch is exact for any model by calling the training step once
-per distinct batch size at that step.
+Stacked kernels, fastest first (the registry of :mod:`.kernels`): the hand-written chain
+(:mod:`.kernels.chain`), the fx rewrite (:mod:`.kernels.fx`), and ``vmap`` of the user's
+``training_step`` (:mod:`.kernels.vmap`); :meth:`LocalTrainer.train_stacked` is their one
+driver. The first two exist only for models made of per-sample operations, so they pad partial
+batches and mask them (one call per step); under ``vmap`` a partial batch is exact for any model
+by calling the training step once per distinct batch size at that step.
 """
 
 from __future__ import annotations
@@ -25,53 +26,28 @@ from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
 from fedshard_lightning.data.base import FederatedDataModule
-from fedshard_lightning.engine.chain import StackedChain
-from fedshard_lightning.engine.client_loop import ClientBatch, LocalResult, run_client_loop
 from fedshard_lightning.engine.fixed_blocks import train_in_blocks
 from fedshard_lightning.engine.grad_clip import GradClip, clip_rows
 from fedshard_lightning.engine.kernel_choice import choose_kernel
+from fedshard_lightning.engine.kernels.base import ConvMode, KernelChoice
+from fedshard_lightning.engine.kernels.chain import StackedChain
+from fedshard_lightning.engine.kernels.fx import StackedProgram
+from fedshard_lightning.engine.kernels.loop import LOOP, ClientBatch, LocalResult
+from fedshard_lightning.engine.kernels.vmap import VMAP, StepCaller
 from fedshard_lightning.engine.lone_rows import min_rows
 from fedshard_lightning.engine.mixed_sizes import mixed_sizes_fixed, mixed_sizes_split
 from fedshard_lightning.engine.optim import OptimizerSpec, RoundLR, fused_sgd_lr, round_lr, shrink_optimizer
 from fedshard_lightning.engine.plan_ahead import BatchPlans
 from fedshard_lightning.engine.row_optim import RowOptimizer, needs_rows
 from fedshard_lightning.engine.schedule import LocalSchedule
-from fedshard_lightning.engine.stacked import ConvMode, Kernel, KernelChoice, StackedProgram
 from fedshard_lightning.engine.step_context import NotVectorizable, StepContext, step_keys, step_loss
 from fedshard_lightning.engine.step_layout import StepLayouts
 from fedshard_lightning.engine.vmap_limits import not_vectorizable, vmap_blocker
-from fedshard_lightning.module import FederatedModule, shared_step_buffers, takes_batch_idx
+from fedshard_lightning.module import FederatedModule, shared_step_buffers
 
-__all__ = ["ClientBatch", "Kernel", "KernelChoice", "LocalTrainer", "NotVectorizable", "step_loss"]
+__all__ = ["ClientBatch", "KernelChoice", "LocalTrainer", "NotVectorizable", "step_loss"]
 
 _PREFIX = "m."
-
-
-class _StepCaller(nn.Module):
-    """Makes ``training_step`` the forward of a module, so ``functional_call`` can swap parameters.
-
-    It returns the loss and the values the step logged, and gives the step its client's key and
-    ``batch_idx`` (the local step, the same for every client of a stacked call, as on the loop).
-    """
-
-    def __init__(self, module: nn.Module, ctx: StepContext) -> None:
-        super().__init__()
-        self.m = module
-        self.ctx = ctx
-        self.batch_idx = 0
-        self._with_idx = takes_batch_idx(module)
-
-    def _step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Any:
-        """``training_step``, given ``batch_idx`` only where it takes one (``training_step(batch)``)."""
-        return self.m.training_step(batch, batch_idx) if self._with_idx else self.m.training_step(batch)
-
-    def forward(self, x: Tensor, y: Tensor, key: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-        self.ctx.begin(key, stacked=True)
-        try:
-            loss = step_loss(self._step((x, y), self.batch_idx), type(self.m).__name__)
-        finally:
-            logged = self.ctx.end()
-        return loss, logged
 
 
 class LocalTrainer:
@@ -98,7 +74,7 @@ class LocalTrainer:
         self.seed = seed
         self.dtype = next(module.parameters()).dtype
         self.ctx = StepContext.of(module)
-        self._caller = _StepCaller(module, self.ctx)
+        self._caller = StepCaller(module, self.ctx)
         self._fwd = vmap(self._loss, in_dims=(0, 0, None, 0, 0, 0))
         self._blocker = vmap_blocker(module)
         # Learning rate per round from the model's scheduler (None: the optimizer's own, constant).
@@ -159,19 +135,21 @@ class LocalTrainer:
     def program(self) -> StackedProgram | None:
         """The vmap-free rewrite of the model's loss, built and checked once (None: keep vmap)."""
         if self.kernel_choice is None:
-            self.kernel_choice = KernelChoice(Kernel.VMAP, "chosen")
-            if self.kernel != "vmap" and self.maskable:
-                self.kernel_choice, self._program, self._chain = choose_kernel(
-                    self.module, self.names, self.conv_mode, self.kernel, self._check_sample()
-                )
-            elif self.kernel != "vmap":
-                why = (
-                    "training_step is overridden"
-                    if isinstance(self.module, FederatedModule)
-                    else "a plain LightningModule"
-                )
-                self.kernel_choice = KernelChoice(Kernel.VMAP, why)
+            self.kernel_choice = KernelChoice(VMAP, "chosen")  # kept if the choice raises
+            self.kernel_choice, self._program, self._chain = choose_kernel(
+                self.module, self.names, self.conv_mode, self.kernel, self._check_sample, self._not_maskable()
+            )
         return self._program
+
+    def _not_maskable(self) -> str | None:
+        """Why the loss is not the default mean of ``per_sample_loss`` (None where it is)."""
+        if self.maskable:
+            return None
+        return (
+            "training_step is overridden"
+            if isinstance(self.module, FederatedModule)
+            else "a plain LightningModule"
+        )
 
     def _maybe_compiled(self, key: str, fn: Any) -> Any:
         """``fn`` compiled once (static shapes: the engine then runs fixed-shape calls), or as is."""
@@ -405,10 +383,12 @@ class LocalTrainer:
     def train_loop(
         self, start: dict[str, Tensor], batch: ClientBatch, rows: Tensor | None = None
     ) -> LocalResult:
-        """One client after the other with the user's own optimizer (args as stacked)."""
+        """One client after the other with the user's own optimizer (args as stacked; :data:`.kernels.LOOP`)."""
+        return LOOP.train(self, start, batch, rows)
+
+    def loop_worker(self) -> tuple[nn.Module, StepContext]:
+        """The per-client loop's deep copy of the model and its step context, made on first use."""
         if self._worker is None:
             self._worker = copy.deepcopy(self.module)
             self._worker_ctx = StepContext.of(self._worker)
-        gidx_all, size_all, steps = self.schedules(batch)
-        out, loss_sum, logs = run_client_loop(self, start, batch, rows, gidx_all, size_all, steps)
-        return LocalResult(out, steps, loss_sum, logs)
+        return self._worker, self._worker_ctx

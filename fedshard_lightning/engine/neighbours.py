@@ -7,7 +7,7 @@ count), but an elementwise operator may not: on the CPU, float32 ``sigmoid``, ``
 ``mish``, ``softplus`` and tanh-``gelu`` (forward or backward) round a tensor's vectorized body
 and its scalar tail differently, and which of a client's elements fall in the tail depends on its
 row and on how many clients are stacked. The fx kernel applies those it knows per client
-(:mod:`.per_client_ops`), but no list of operators can be complete (a user's ``training_step``
+(:mod:`.kernels.per_client_ops`), but no list of operators can be complete (a user's ``training_step``
 under ``vmap`` may call anything), so :func:`neighbour_dependence` trains a few clients both
 alone and among others, through the engine's own stacked call, and compares the bits.
 """
@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor
 
-from fedshard_lightning.engine.client_loop import ClientBatch, LocalResult
+from fedshard_lightning.engine.kernels.loop import ClientBatch, LocalResult
 from fedshard_lightning.engine.local import LocalTrainer
 
 __all__ = ["NEIGHBOURS_REASON", "NEIGHBOUR_STEPS", "PROBE_STEPS", "first_steps", "neighbour_dependence"]

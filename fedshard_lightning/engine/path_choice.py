@@ -29,8 +29,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fedshard_lightning.engine.client_loop import ClientBatch, LocalResult
 from fedshard_lightning.engine.groups import Group
+from fedshard_lightning.engine.kernels.loop import ClientBatch, LocalResult
 from fedshard_lightning.engine.local import LocalTrainer
 from fedshard_lightning.engine.neighbours import PROBE_STEPS, first_steps, neighbour_dependence
 from fedshard_lightning.engine.round_plan import RoundPlan

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from fedshard_lightning.engine.client_loop import ClientBatch
+from fedshard_lightning.engine.kernels.loop import ClientBatch
 from fedshard_lightning.engine.schedule import LocalSchedule
 
 __all__ = ["BatchPlans"]

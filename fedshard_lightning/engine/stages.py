@@ -18,22 +18,19 @@ results are those of one :meth:`.FederatedEngine.train_groups` call per stage
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 from torch import Tensor
 
 from fedshard_lightning.engine.groups import Group, TrainResult
+from fedshard_lightning.engine.lean_frames import LeanEngine
 from fedshard_lightning.engine.lean_rounds import lean_eligible, run_lean, segment_span
 from fedshard_lightning.engine.plan_ahead import Request
-
-if TYPE_CHECKING:
-    from fedshard_lightning.engine.engine import FederatedEngine
 
 __all__ = ["finish", "lean_requests", "train_stages"]
 
 
 def train_stages(
-    engine: FederatedEngine,
+    engine: LeanEngine,
     jobs: Sequence[tuple[int, Sequence[Group]]],
     init_of: Callable[[int, list[TrainResult]], dict[str, Tensor]],
 ) -> list[TrainResult]:
@@ -61,7 +58,7 @@ def train_stages(
     return results
 
 
-def lean_requests(engine: FederatedEngine, groups: Sequence[Group], stage: int) -> list[Request]:
+def lean_requests(engine: LeanEngine, groups: Sequence[Group], stage: int) -> list[Request]:
     """The batch plans an unwatched :func:`.run_lean` of these groups asks for: its segments' clients and rounds."""
     requests: list[Request] = []
     r, last = 0, max((g.rounds for g in groups), default=0)

@@ -10,7 +10,7 @@
    record (groups, initial models, rounds, keyed participants, batches and step keys, the clients
    that remain after unlearning) with none of the engine's round drivers, stacked kernels or
    aggregation: every client through the per-client loop kernel
-   (:func:`~fedshard_lightning.engine.client_loop.run_client_loop`, the user's own
+   (:func:`~fedshard_lightning.engine.kernels.loop.run_client_loop`, the user's own
    ``configure_optimizers`` and ``training_step``), and every average as
    :func:`weighted_mean`, a sample-weighted mean accumulated in float64, written here apart from
    ``engine/aggregate.py`` and ``engine/mix_rows.py``. It certifies the algorithm, not only the
@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from fedshard_lightning.engine import Group
-from fedshard_lightning.engine.client_loop import ClientBatch
+from fedshard_lightning.engine.kernels.loop import ClientBatch
 
 if TYPE_CHECKING:
     from fedshard_lightning.engine import FederatedEngine

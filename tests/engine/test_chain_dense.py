@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from fedshard_lightning.engine.chain import StackedChain
-from fedshard_lightning.engine.chain_dense import DenseChain
-from fedshard_lightning.engine.kernel_check import probe_params, reference
-from fedshard_lightning.engine.stacked import StackedProgram
+from fedshard_lightning.engine.kernels.chain import StackedChain
+from fedshard_lightning.engine.kernels.chain_dense import DenseChain
+from fedshard_lightning.engine.kernels.check import probe_params, reference
+from fedshard_lightning.engine.kernels.fx import StackedProgram
 from fedshard_lightning.models import MLP, FedAvgCNN
 from fedshard_lightning.module import FederatedModule
 

@@ -179,7 +179,7 @@ def test_tf32_false_gives_ieee_convolutions_and_matmuls():
     TF32 keeps 10 mantissa bits: its relative error on these sums is ~3e-4; IEEE float32's ~1e-6.
     """
     from fedshard_lightning.engine.allocator import configure_process
-    from fedshard_lightning.engine.stacked import stacked_conv2d
+    from fedshard_lightning.engine.kernels.fx import stacked_conv2d
 
     configure_process(CUDA, tf32=False)
 

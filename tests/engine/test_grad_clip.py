@@ -148,7 +148,7 @@ def test_stacked_and_loop_equal_a_plain_clipped_loop_float64(cls, kw, val, algor
     else:
         stacked = eng.local.train_stacked(start, batch).params
         kernel = eng.local.kernel_choice.kernel.name
-        assert kernel == ("VMAP" if cls is PlainMLP else "CHAIN"), (
+        assert kernel == ("vmap" if cls is PlainMLP else "fx+chain"), (
             kernel
         )  # the kernels the cases mean to cover
         assert max(float((stacked[k] - want[k]).abs().max()) for k in want) <= 1e-10

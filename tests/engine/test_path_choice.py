@@ -101,7 +101,7 @@ def test_disagreement_against_the_formula(stacked, loop, want):
 
     import torch
 
-    from fedshard_lightning.engine.client_loop import LocalResult
+    from fedshard_lightning.engine.kernels.loop import LocalResult
 
     def res(v):
         return LocalResult({}, np.ones(len(v), dtype=np.int64), torch.tensor(v, dtype=torch.float32))

@@ -18,8 +18,9 @@ from torch import nn
 
 from fedshard_lightning.data import DigitsDataModule, SyntheticDataModule
 from fedshard_lightning.engine import FederatedEngine, LocalSchedule, stack_params
-from fedshard_lightning.engine.local import ClientBatch, Kernel
-from fedshard_lightning.engine.per_client_ops import ClientChunks, PerClient
+from fedshard_lightning.engine.kernels import FX
+from fedshard_lightning.engine.kernels.per_client_ops import ClientChunks, PerClient
+from fedshard_lightning.engine.local import ClientBatch
 from fedshard_lightning.models import MLP
 
 ACTIVATIONS = {
@@ -89,7 +90,7 @@ def test_stacked_client_equals_the_client_trained_alone_from_scratch(act, hidden
                     assert torch.equal(got.params[n][c], want[n]), (c, n, len(clients))
     finally:
         torch.set_num_threads(before)
-    assert eng.local.kernel_choice.kernel is Kernel.FX
+    assert eng.local.kernel_choice.kernel is FX
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fedshard_lightning.engine.client_loop import ClientBatch
+from fedshard_lightning.engine.kernels.loop import ClientBatch
 from fedshard_lightning.engine.plan_ahead import BatchPlans
 from fedshard_lightning.engine.schedule import LocalSchedule
 

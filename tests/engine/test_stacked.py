@@ -9,10 +9,10 @@ from torch import nn
 
 from fedshard_lightning.data import SyntheticDataModule
 from fedshard_lightning.engine import FederatedEngine, Group, LocalSchedule, stack_params
-from fedshard_lightning.engine.chain import StackedChain
-from fedshard_lightning.engine.kernel_check import Unsupported, reference
-from fedshard_lightning.engine.local import Kernel, KernelChoice
-from fedshard_lightning.engine.stacked import StackedProgram
+from fedshard_lightning.engine.kernels import CHAIN, FX, VMAP, KernelChoice
+from fedshard_lightning.engine.kernels.chain import StackedChain
+from fedshard_lightning.engine.kernels.check import Unsupported, reference
+from fedshard_lightning.engine.kernels.fx import StackedProgram
 from fedshard_lightning.models import MLP, FedAvgCNN
 from fedshard_lightning.module import FederatedModule
 
@@ -108,14 +108,14 @@ def _maxdiff(a, b):
 @pytest.mark.parametrize(
     ("model", "shape", "status"),
     [
-        (lambda: MLP(hidden=(8, 8), lr=0.1), (10,), (Kernel.CHAIN, "")),
-        (lambda: MLP(hidden=(8,), lr=0.05, momentum=0.9), (10,), (Kernel.CHAIN, "")),
-        (lambda: FedAvgCNN(channels=(2, 3), hidden=8, lr=0.05), (1, 8, 8), (Kernel.CHAIN, "")),
-        (lambda: TanhPoolNet(lr=0.05, optimizer="adam"), (2, 6, 6), (Kernel.CHAIN, "")),
-        (lambda: SmoothedNet(hidden=(8,), lr=0.1), (10,), (Kernel.FX, "no chain")),
-        (lambda: BufferNet(lr=0.1), (10,), (Kernel.VMAP, "the model has buffers")),
-        (lambda: CenteredNet(lr=0.1), (10,), (Kernel.VMAP, "tensor method mean")),
-        (lambda: OwnStepNet(hidden=(8,), lr=0.1), (10,), (Kernel.VMAP, "training_step is overridden")),
+        (lambda: MLP(hidden=(8, 8), lr=0.1), (10,), (CHAIN, "")),
+        (lambda: MLP(hidden=(8,), lr=0.05, momentum=0.9), (10,), (CHAIN, "")),
+        (lambda: FedAvgCNN(channels=(2, 3), hidden=8, lr=0.05), (1, 8, 8), (CHAIN, "")),
+        (lambda: TanhPoolNet(lr=0.05, optimizer="adam"), (2, 6, 6), (CHAIN, "")),
+        (lambda: SmoothedNet(hidden=(8,), lr=0.1), (10,), (FX, "no chain")),
+        (lambda: BufferNet(lr=0.1), (10,), (VMAP, "the model has buffers")),
+        (lambda: CenteredNet(lr=0.1), (10,), (VMAP, "tensor method mean")),
+        (lambda: OwnStepNet(hidden=(8,), lr=0.1), (10,), (VMAP, "training_step is overridden")),
     ],
 )
 def test_kernel_choice_and_equality_with_loop(model, shape, status):
@@ -126,12 +126,12 @@ def test_kernel_choice_and_equality_with_loop(model, shape, status):
     kernel, reason = status
     assert got.kernel is kernel and got.reason.startswith(reason) and bool(got.reason) == bool(reason)
     assert _maxdiff(stacked, loop) <= 1e-10
-    if got.kernel in (Kernel.CHAIN, Kernel.FX):
+    if got.kernel in (CHAIN, FX):
         fx_only, got_fx = _train(m, dm, "always", kernel="fx")
-        assert got_fx == KernelChoice(Kernel.FX)
+        assert got_fx == KernelChoice(FX)
         assert _maxdiff(fx_only, loop) <= 1e-10
     vm, got_vm = _train(m, dm, "always", kernel="vmap")
-    assert got_vm == KernelChoice(Kernel.VMAP, "chosen") and _maxdiff(vm, loop) <= 1e-10
+    assert got_vm == KernelChoice(VMAP, "chosen") and _maxdiff(vm, loop) <= 1e-10
 
 
 @pytest.mark.parametrize("conv_mode", ["grouped", "per_client"])
@@ -140,7 +140,7 @@ def test_conv_modes_equal_loop(conv_mode):
     m = _bind(FedAvgCNN(channels=(3, 4), hidden=8, lr=0.05, momentum=0.5), dm)
     loop, _ = _train(m, dm, "never")
     stacked, status = _train(m, dm, "always", conv_mode=conv_mode)
-    assert status == KernelChoice(Kernel.CHAIN)
+    assert status == KernelChoice(CHAIN)
     assert _maxdiff(stacked, loop) <= 1e-10
 
 
@@ -149,7 +149,7 @@ def test_float32_cnn_chain_close_to_loop():
     m = _bind(FedAvgCNN(channels=(4, 8), hidden=16, lr=0.05), dm, torch.float32)
     loop, _ = _train(m, dm, "never", sched=LocalSchedule(batch_size=5, local_steps=4))
     stacked, status = _train(m, dm, "always", sched=LocalSchedule(batch_size=5, local_steps=4))
-    assert status == KernelChoice(Kernel.CHAIN)
+    assert status == KernelChoice(CHAIN)
     assert _maxdiff(stacked, loop) <= 1e-5
 
 
@@ -219,6 +219,6 @@ def test_a_chain_that_disagrees_with_the_model_is_refused_and_the_checked_fx_pro
     monkeypatch.setattr(StackedChain, "step", wrong)
     loop, _ = _train(m, dm, "never")
     stacked, status = _train(m, dm, "always")
-    assert status.kernel is Kernel.FX
+    assert status.kernel is FX
     assert status.reason.startswith("no chain: the hand-written backward disagrees with the model's loss")
     assert _maxdiff(stacked, loop) <= 1e-10

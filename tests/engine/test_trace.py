@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from fedshard_lightning.engine.kernel_check import _LossOf
-from fedshard_lightning.engine.stacked import _PER_SAMPLE_FUNCTIONS
-from fedshard_lightning.engine.trace import trace
+from fedshard_lightning.engine.kernels.check import _LossOf
+from fedshard_lightning.engine.kernels.fx import _PER_SAMPLE_FUNCTIONS
+from fedshard_lightning.engine.kernels.trace import trace
 from fedshard_lightning.models import MLP
 from fedshard_lightning.module import FederatedModule
 
@@ -79,7 +79,7 @@ def test_building_the_default_program_never_builds_the_overrides_table():
     code = (
         "import torch, torch.overrides as o\n"
         "from fedshard_lightning.models import MLP\n"
-        "from fedshard_lightning.engine.stacked import StackedProgram\n"
+        "from fedshard_lightning.engine.kernels.fx import StackedProgram\n"
         "m = MLP(hidden=(8,)); m.bind_data((6,), 4)\n"
         "StackedProgram.build(m, [n for n, _ in m.named_parameters()])\n"
         "print(o._get_overridable_functions.cache_info().currsize)\n"

@@ -15,7 +15,7 @@ from _fedshard_helpers import fit, make, unlearn
 
 from fedshard_lightning.data import SyntheticDataModule
 from fedshard_lightning.engine import Group
-from fedshard_lightning.engine.client_loop import ClientBatch
+from fedshard_lightning.engine.kernels.loop import ClientBatch
 from fedshard_lightning.models import MLP
 from fedshard_lightning.trainer import FederatedTrainer
 from fedshard_lightning.unlearning import FATS, FedAvg

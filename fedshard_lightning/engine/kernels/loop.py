@@ -2,7 +2,7 @@
 
 One client after the other, with the user's own ``configure_optimizers``, on a deep copy of the
 model (the worker); ``training_step`` gets the local step as ``batch_idx`` where it takes one. What a step may do is keyed as in the stacked path
-(:mod:`.step_context`): ``nn.Dropout`` masks from the client's step key, ``self.log`` values per
+(:mod:`fedshard_lightning.engine.step_context`): ``nn.Dropout`` masks from the client's step key, ``self.log`` values per
 client; other random operators draw from the device's generator, seeded with the same key before
 every step (inside ``fork_rng``, so the user's own stream is left as it was). With
 ``optimizer_state: keep`` a client's optimizer starts each round from the state its last round
@@ -11,46 +11,21 @@ left (``LocalTrainer.client_states``), not fresh.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 from torch import Tensor
 
 from fedshard_lightning.engine.grad_clip import clip_module
+from fedshard_lightning.engine.kernels.base import ClientBatch, LocalResult, Probe, Trainer
 from fedshard_lightning.engine.optim import RoundLR, normalize_optimizer
 from fedshard_lightning.engine.step_context import step_loss
 from fedshard_lightning.module import takes_batch_idx
 
-if TYPE_CHECKING:
-    from fedshard_lightning.engine.local import LocalTrainer
-
-__all__ = ["ClientBatch", "LocalResult", "run_client_loop"]
-
-
-@dataclass
-class ClientBatch:
-    """The clients of one local-training call and where their randomness comes from."""
-
-    clients: list[int]
-    groups: list[int]
-    stage: int
-    round: int
-
-
-@dataclass
-class LocalResult:
-    """Final parameters [m, ...] by name, steps per client, summed loss and logged values per client."""
-
-    params: dict[str, Tensor]
-    steps: np.ndarray
-    loss_sum: Tensor
-    logs: dict[str, Tensor] = field(default_factory=dict)
+__all__ = ["LOOP", "ClientBatch", "LocalResult", "LoopKernel", "run_client_loop"]
 
 
 def run_client_loop(
-    tr: LocalTrainer,
+    tr: Trainer,
     start: dict[str, Tensor],
     batch: ClientBatch,
     rows: Tensor | None,
@@ -69,7 +44,7 @@ def run_client_loop(
         size_all: Batch sizes [m, S].
         steps: Local steps per client [m].
     """
-    worker = tr._worker
+    worker, worker_ctx = tr.loop_worker()
     params = dict(worker.named_parameters())
     wbuf = dict(worker.named_buffers())
     params.update({n: wbuf[n] for n in tr.buffer_names})  # copied in and out like parameters
@@ -112,12 +87,12 @@ def run_client_loop(
                 # Random ops outside nn.Dropout draw from the device's generator, keyed by
                 # the client step (the generator alone: torch.manual_seed costs ~100x more).
                 gen.manual_seed(int(keys[i, s]))
-                tr._worker_ctx.begin(keys_t[i, s])
+                worker_ctx.begin(keys_t[i, s])
                 try:
                     ret = worker.training_step((x, y), s) if with_idx else worker.training_step((x, y))
                     loss = step_loss(ret, owner)
                 finally:
-                    logged = tr._worker_ctx.end()
+                    logged = worker_ctx.end()
                 loss.backward()
                 if tr.clip is not None:
                     clip_module(worker, opt, tr.clip)
@@ -131,3 +106,34 @@ def run_client_loop(
                 for n in tr.names + tr.buffer_names:
                     out[n][i].copy_(params[n])
     return out, loss_sum, logs
+
+
+class LoopKernel:
+    """The per-client loop as a kernel: any model, one client at a time, the reference."""
+
+    name = "loop"
+    reason = "the reference: one client after the other with the user's own optimizer and training_step"
+    stacked = False
+    batch_invariant = True
+
+    def __repr__(self) -> str:
+        return f"<kernel {self.name}>"
+
+    def unsupported(self, probe: Probe) -> str | None:
+        """None: the loop trains any model the user's ``training_step`` trains."""
+        return None
+
+    def parts(self, probe: Probe) -> tuple[None, None]:
+        """Nothing for the stacked driver."""
+        return None, None
+
+    def train(
+        self, local: Trainer, start: dict[str, Tensor], batch: ClientBatch, rows: Tensor | None = None
+    ) -> LocalResult:
+        """One client after the other (see :func:`run_client_loop`)."""
+        gidx_all, size_all, steps = local.schedules(batch)
+        out, loss_sum, logs = run_client_loop(local, start, batch, rows, gidx_all, size_all, steps)
+        return LocalResult(out, steps, loss_sum, logs)
+
+
+LOOP = LoopKernel()

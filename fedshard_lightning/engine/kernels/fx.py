@@ -14,41 +14,39 @@ models are chains of standard layers, so :class:`StackedProgram` traces ``per_sa
 Anything else (batch statistics, buffers, parameters used outside a supported layer, an operator
 not known to be per-sample) keeps the ``vmap`` path. Before it trains, the program is checked
 against ``vmap`` of the user's loss on the run's own data with distinct parameters per client
-(:mod:`.kernel_check`), so a rewrite that mixed clients or samples is refused rather than trusted.
+(:mod:`.check`), so a rewrite that mixed clients or samples is refused rather than trusted.
 """
 
 from __future__ import annotations
 
-import enum
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
-from fedshard_lightning.engine.kernel_check import (
+from fedshard_lightning.engine.kernels.base import ConvMode, Probe, StackedKernel
+from fedshard_lightning.engine.kernels.check import (
     Reference,
     Unsupported,
     _LossOf,
+    reference,
     require_close,
 )
-from fedshard_lightning.engine.per_client_ops import ClientChunks, per_client_op
-from fedshard_lightning.engine.trace import trace
+from fedshard_lightning.engine.kernels.per_client_ops import ClientChunks, per_client_op
+from fedshard_lightning.engine.kernels.trace import trace
 
 __all__ = [
+    "FX",
     "ConvMode",
-    "Kernel",
-    "KernelChoice",
+    "FxKernel",
     "StackedProgram",
     "Unsupported",
     "stacked_conv2d",
     "stacked_linear",
 ]
-
-ConvMode = Literal["grouped", "per_client"]
 
 # Modules without parameters that act on each sample separately.
 _PER_SAMPLE_MODULES: tuple[type[nn.Module], ...] = (
@@ -130,25 +128,6 @@ _PER_SAMPLE_METHODS: frozenset[str] = frozenset(
     }
 )
 _LOSSES = (F.cross_entropy, F.nll_loss)
-
-
-class Kernel(enum.Enum):
-    """The stacked kernel family in use, fastest first."""
-
-    CHAIN = "fx+chain"  # hand-written forward and backward (engine/chain.py)
-    FX = "fx"  # the fx rewrite of per_sample_loss, autograd backward (engine/stacked.py)
-    VMAP = "vmap"  # torch.func.vmap of the user's training_step
-
-
-@dataclass(frozen=True)
-class KernelChoice:
-    """Which stacked kernel runs, and why not a faster one (empty for the fastest)."""
-
-    kernel: Kernel
-    reason: str = ""
-
-    def __str__(self) -> str:
-        return self.kernel.value + (f" ({self.reason})" if self.reason else "")
 
 
 def stacked_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -339,7 +318,7 @@ class StackedProgram:
         """Compare losses and gradients with the user's loss (``ref``); raise :class:`Unsupported` if they differ.
 
         Args:
-            ref: :func:`~.kernel_check.reference` on the same samples.
+            ref: :func:`~.check.reference` on the same samples.
             x: Samples [C, B, ...] (C >= 2 clients).
             y: Labels [C, B].
             rtol: Relative tolerance (of the largest magnitude of each tensor).
@@ -353,3 +332,45 @@ class StackedProgram:
             rtol,
             "the stacked rewrite of per_sample_loss disagrees with vmap",
         )
+
+
+class FxKernel(StackedKernel):
+    """The fx program as a kernel: the rewritten ``per_sample_loss``, autograd for the backward."""
+
+    name = "fx"
+    reason = "a traced program for maskable models the chain does not cover; autograd backward"
+    batch_invariant = True
+
+    def program(self, probe: Probe) -> tuple[StackedProgram, Reference]:
+        """The program and the user's reference losses on the probe's samples, built once.
+
+        Raises :class:`Unsupported` where either cannot be made.
+        """
+        if "fx" not in probe.built:
+            try:
+                program = StackedProgram.build(probe.module, probe.names, probe.conv_mode)
+                probe.built["fx"] = (program, reference(probe.module, *probe.sample, probe.names))
+            except Unsupported as err:
+                probe.built["fx"] = err
+        got = probe.built["fx"]
+        if isinstance(got, Unsupported):
+            raise got
+        return got
+
+    def unsupported(self, probe: Probe) -> str | None:
+        """None if the program builds and reproduces the user's losses and gradients."""
+        if probe.not_maskable is not None:
+            return probe.not_maskable
+        try:
+            program, ref = self.program(probe)
+            program.check(ref, *probe.sample)
+        except Unsupported as err:
+            return str(err)
+        return None
+
+    def parts(self, probe: Probe) -> tuple[StackedProgram, None]:
+        """The checked program; no chain."""
+        return self.program(probe)[0], None
+
+
+FX = FxKernel()

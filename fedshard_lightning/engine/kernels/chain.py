@@ -1,6 +1,6 @@
 """Hand-written backward for stacked layer chains, with the plain-SGD update fused into it.
 
-For a model whose stacked program (:mod:`fedshard_lightning.engine.stacked`) is a simple chain
+For a model whose stacked program (:mod:`fedshard_lightning.engine.kernels.fx`) is a simple chain
 (input -> layer -> ... -> cross-entropy), the gradients of all clients are computed by explicit
 backward formulas instead of autograd, and plain SGD applies each weight's update inside the
 matrix product that computes its gradient (``W <- W - lr * g^T h`` as one ``baddbmm``), so no
@@ -8,7 +8,7 @@ gradient tensor is ever written. A small model's stacked step is bound by the nu
 and the memory they touch, not by arithmetic, so skipping autograd's graph and the gradient
 tensors is most of what makes small MLPs fast (the "fx+chain" kernel of docs/benchmarks.md's
 engine-vs-loop table). The result equals autograd on the user's loss up to floating-point
-rounding, which the engine checks before using it (:mod:`.kernel_check`).
+rounding, which the engine checks before using it (:mod:`.check`).
 """
 
 from __future__ import annotations
@@ -21,12 +21,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
-from fedshard_lightning.engine.chain_dense import DenseChain
-from fedshard_lightning.engine.kernel_check import Reference, Unsupported, require_close
-from fedshard_lightning.engine.per_client_ops import PerClient
-from fedshard_lightning.engine.stacked import StackedProgram, stacked_conv2d, stacked_linear
+from fedshard_lightning.engine.kernels.base import Probe, StackedKernel
+from fedshard_lightning.engine.kernels.chain_dense import DenseChain
+from fedshard_lightning.engine.kernels.check import Reference, Unsupported, require_close
+from fedshard_lightning.engine.kernels.fx import FX, StackedProgram, stacked_conv2d, stacked_linear
+from fedshard_lightning.engine.kernels.per_client_ops import PerClient
 
-__all__ = ["StackedChain"]
+__all__ = ["CHAIN", "ChainKernel", "StackedChain"]
 
 _aten = torch.ops.aten
 
@@ -335,3 +336,46 @@ class StackedChain:
             rtol,
             "the hand-written backward disagrees with the model's loss",
         )
+
+
+class ChainKernel(StackedKernel):
+    """The hand-written chain as a kernel, read off the fx program and checked on its own."""
+
+    name = "fx+chain"
+    reason = "hand-written forward and backward for MLP/CNN chains: the fastest, batch-invariant"
+    batch_invariant = True
+
+    def chain(self, probe: Probe) -> StackedChain:
+        """The chain read off the probe's fx program and checked against the user's loss, built once.
+
+        Raises :class:`Unsupported` where the program is not a chain or the chain disagrees.
+        """
+        if "chain" not in probe.built:
+            try:
+                program, ref = FX.program(probe)
+                chain = StackedChain.from_program(program, probe.conv_mode)
+                chain.check(ref, *probe.sample)
+                probe.built["chain"] = chain
+            except Unsupported as err:
+                probe.built["chain"] = err
+        got = probe.built["chain"]
+        if isinstance(got, Unsupported):
+            raise got
+        return got
+
+    def unsupported(self, probe: Probe) -> str | None:
+        """None if the model's loss is a chain whose steps reproduce the user's loss."""
+        if probe.not_maskable is not None:
+            return f"no chain: {probe.not_maskable}"
+        try:
+            self.chain(probe)
+        except Unsupported as err:
+            return f"no chain: {err}"
+        return None
+
+    def parts(self, probe: Probe) -> tuple[StackedProgram, StackedChain]:
+        """The fx program the chain was read from, and the chain."""
+        return FX.program(probe)[0], self.chain(probe)
+
+
+CHAIN = ChainKernel()

@@ -1,6 +1,6 @@
 """The reference a stacked kernel must reproduce before the engine trusts it: the user's own loss.
 
-A stacked kernel (the fx rewrite of :mod:`.stacked`, the hand-written chain of :mod:`.chain`) is
+A stacked kernel (the fx rewrite of :mod:`.fx`, the hand-written chain of :mod:`.chain`) is
 used only after it reproduced, on the run's own samples and at distinct parameters per client,
 the per-sample losses and gradients that ``vmap`` of the user's ``per_sample_loss`` gives.
 :func:`reference` computes those once; each kernel's ``check`` compares with it. The chain is
