@@ -9,7 +9,7 @@ import pytest
 from _tiny import tiny_data, tiny_model, tiny_trainer
 
 from fedshard_lightning.engine import FederatedEngine, path_choice, stack_params
-from fedshard_lightning.engine.client_loop import ClientBatch
+from fedshard_lightning.engine.kernels.base import ClientBatch
 from fedshard_lightning.engine.local import LocalTrainer
 from fedshard_lightning.engine.neighbours import NEIGHBOUR_STEPS, PROBE_STEPS
 from fedshard_lightning.engine.plan_ahead import BatchPlans
