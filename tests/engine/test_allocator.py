@@ -24,10 +24,12 @@ def test_applied_once_on_glibc():
     assert _run({}) == "True True"
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch; the glibc test above covers the setting itself
 def test_environment_variable_leaves_malloc_alone():
     assert _run({"FEDSHARD_KEEP_MALLOC": "1"}) == "False False"
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch and Lightning
 def test_building_an_engine_changes_no_process_setting():
     code = (
         "import torch\n"

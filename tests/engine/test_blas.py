@@ -68,6 +68,7 @@ def test_engine_import_makes_batched_products_neighbour_invariant():
         assert got[threads]["bad"] == 0, got
 
 
+@pytest.mark.slow  # a fresh interpreter per thread count; the invariance test above runs by default
 @needs_mkl
 def test_a_mode_the_user_set_is_kept():
     # (empty would keep MKL's default dispatch; some CPUs, AVX2 without AVX-512, then round by position)
