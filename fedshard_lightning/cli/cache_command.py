@@ -19,6 +19,7 @@ from pathlib import Path
 
 from fedshard_lightning.errors import CacheError, ConfigError
 from fedshard_lightning.flcache.cache import FLCache
+from fedshard_lightning.flcache.gc import final_only_error
 from fedshard_lightning.flcache.io import _flock
 from fedshard_lightning.run.directory import check_real_folders
 from fedshard_lightning.run.request_history import check_history
@@ -57,10 +58,7 @@ def _cache_of(ckpt_path: str) -> tuple[Path, FLCache]:
     check_real_folders(run)  # gc removes blobs: never through a link
     cache = FLCache(run / "cache")
     if cache.final_only() is not None:
-        raise CacheError(
-            f"{run} kept only its final model (fit with trainer.enable_checkpointing false): its FLCache "
-            "holds nothing to collect or verify"
-        )
+        raise final_only_error(run, "cache")
     if not cache.exists():
         raise CacheError(f"{run} has no committed FLCache (cache/CURRENT); nothing to do")
     return run, cache

@@ -79,9 +79,9 @@ def describe_run(run: Path) -> dict[str, Any]:
         state = "running"
     elif damaged:
         state = "damaged (cache verify --ckpt_path RUN names the file)"
-    elif not manifest and cache.final_only() is not None:
+    elif not manifest and (final := cache.final_only()) is not None:
         state = "complete, final model only (enable_checkpointing false: no unlearn or audit)"
-        manifest = {k: v for k, v in cache.final_only().items() if k in ("algorithm", "num_clients")}
+        manifest = {k: v for k, v in final.items() if k in ("algorithm", "num_clients")}
     elif not manifest:
         if not (run / "cache").is_dir():
             state = "-"

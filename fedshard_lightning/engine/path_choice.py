@@ -244,7 +244,7 @@ def _sizes(batch: ClientBatch) -> dict[str, int]:
 
 def _compare(local: LocalTrainer, start: dict[str, Tensor], batch: ClientBatch) -> tuple[float, float]:
     """``(disagreement, tolerance)`` of the two paths in a few local steps; raises ``NotVectorizable``."""
-    warm = _two_steps(local, start, batch, _sizes(batch))
+    warm = _probe_runs(local, start, batch, _sizes(batch))
     first = next(iter(start.values()))
     return disagreement(warm["stacked"], warm["loop"]), agreement_tolerance(first.dtype, first.device)
 
@@ -262,7 +262,7 @@ def _runs(
     }
 
 
-def _two_steps(
+def _probe_runs(
     local: LocalTrainer, start: dict[str, Tensor], batch: ClientBatch, sizes: dict[str, int]
 ) -> dict[str, LocalResult]:
     """The first local steps of each path's first clients (results apart from the fit's)."""

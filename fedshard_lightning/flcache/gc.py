@@ -11,6 +11,7 @@ import os
 import shutil
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fedshard_lightning.errors import CacheError
@@ -20,10 +21,25 @@ if TYPE_CHECKING:
     from fedshard_lightning.flcache.stacks import StackStore
 from fedshard_lightning.flcache.io import BLOBS, _fsync_dir, atomic_write_json, remove_stale_tmp
 
-__all__ = ["FINAL_ONLY", "Retention"]
+__all__ = ["FINAL_ONLY", "Retention", "final_only_error"]
 
 FINAL_ONLY = "FINAL_ONLY"
 """The note a dropped cache leaves (``Retention.drop``): why it holds nothing, for the commands that need it."""
+
+
+def final_only_error(run: Path, command: str) -> CacheError:
+    """The one line of a command refused on a run that kept only its final model, and why it needs more."""
+    why = {
+        "fit": "it is complete already; its model is model.safetensors",
+        "unlearn": "exact unlearning retrains from the FLCache's stage models",
+        "audit": "the audit replays the FLCache's stages",
+        "cache": "its FLCache holds nothing to collect or verify",
+    }.get(command, "this command reads the FLCache")
+    return CacheError(
+        f"{run} kept only its final model (fit with trainer.enable_checkpointing false), so {command} "
+        f"cannot run: {why}; fit again with enable_checkpointing true (the default) to unlearn, or "
+        "use test / load_model on the final model"
+    )
 
 
 class Retention:

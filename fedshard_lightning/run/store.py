@@ -18,6 +18,7 @@ import torch
 
 from fedshard_lightning.errors import CacheError
 from fedshard_lightning.flcache.cache import FLCache
+from fedshard_lightning.flcache.gc import final_only_error
 from fedshard_lightning.flcache.io import atomic_write_json, read_json_object
 from fedshard_lightning.flcache.schema import check_schema, schema_of
 from fedshard_lightning.init_args import init_args
@@ -208,19 +209,8 @@ class RunStore:
 
     def refuse_final_only(self, command: str) -> None:
         """Stop ``command`` in one line on a run that kept only its final model (an emptied cache)."""
-        if self.cache.final_only() is None:
-            return
-        run = self.cache.root.parent
-        why = {
-            "fit": "it is complete already; its model is model.safetensors",
-            "unlearn": "exact unlearning retrains from the FLCache's stage models",
-            "audit": "the audit replays the FLCache's stages",
-        }.get(command, "this command reads the FLCache")
-        raise CacheError(
-            f"{run} kept only its final model (fit with trainer.enable_checkpointing false), so {command} "
-            f"cannot run: {why}; fit again with enable_checkpointing true (the default) to unlearn, or "
-            "use test / load_model on the final model"
-        )
+        if self.cache.final_only() is not None:
+            raise final_only_error(self.cache.root.parent, command)
 
     def drop_cache(self, algorithm: Algorithm) -> int:
         """Empty the cache of a complete fit that keeps only its final model; the bytes freed (rank zero)."""

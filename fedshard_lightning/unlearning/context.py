@@ -82,9 +82,9 @@ class AlgorithmContext:
     @property
     def ranks(self) -> Ranks:
         """The processes as the engine splits a stage across them (:class:`~fedshard_lightning.engine.ranks.Ranks`)."""
-        if self.world_size > 1 and self.all_gather is None:
-            raise ValueError("AlgorithmContext: world_size > 1 needs all_gather")
-        return Ranks(self.world_size, self.global_rank, self.all_gather or (lambda t: t.unsqueeze(0)))
+        if self.all_gather is None:
+            raise ValueError("AlgorithmContext: splitting a stage across processes needs all_gather")
+        return Ranks(self.world_size, self.global_rank, self.all_gather)
 
     @property
     def num_clients(self) -> int:

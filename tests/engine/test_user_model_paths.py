@@ -197,7 +197,7 @@ def test_always_refuses_a_stacked_path_that_disagrees_with_the_loop(dtype, monke
     assert "stacked clients" in mode_line and _max_diff(a, b) <= 1e-10
     signature = next(s for s in path_choice.agreed_signatures() if s.startswith("always|"))
     path_choice.agreed_signatures().clear()  # as a new process: the check is kept on disk
-    monkeypatch.setattr(path_choice, "_two_steps", lambda *a: pytest.fail("checked again"))
+    monkeypatch.setattr(path_choice, "_probe_runs", lambda *a: pytest.fail("checked again"))
     _fit(_engine(Plain, "always"))
     assert signature in path_choice.agreed_signatures()
 
