@@ -204,11 +204,13 @@ class Algorithm(RecordsInitArgs):
         on_round_end: Callable[[RoundInfo, dict[str, Tensor]], Sequence[bool] | None] | None = None,
         keep_client_params: bool = False,
         report: bool = True,
+        engine: FederatedEngine | None = None,
     ) -> TrainResult:
-        """Train groups with the engine; every round is reported to the events when ``report``."""
+        """Train groups with the engine (``engine``: another of the method's); rounds reported when ``report``."""
         events = self.events
+        eng = self.engine if engine is None else engine
         if self.ctx is not None and self.ctx.world_size > 1 and len(groups) > 1:  # the engine splits them
-            res = self.engine.train_groups_split(
+            res = eng.train_groups_split(
                 self.ctx.ranks,
                 init,
                 groups,
@@ -226,7 +228,7 @@ class Algorithm(RecordsInitArgs):
             return on_round_end(info, state) if on_round_end is not None else None
 
         watched = report or on_round_end is not None  # unwatched rounds: no per-round record or hook
-        res = self.engine.train_groups(init, groups, stage, hook if watched else None, keep_client_params)
+        res = eng.train_groups(init, groups, stage, hook if watched else None, keep_client_params)
         events.groups_trained(stage, groups, res.client_steps)
         return res
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from torch import Tensor
 
-from fedshard_lightning.engine import Group, RoundInfo, TrainResult
+from fedshard_lightning.engine import FederatedEngine, Group, RoundInfo, TrainResult
 from fedshard_lightning.errors import ContractError
 
 __all__ = ["BASE_FIELDS", "PlanState", "StagePlan", "freeze", "thaw"]
@@ -49,12 +49,17 @@ class StagePlan:
         stop: A factory of a fresh round hook ``(info, models) -> one bool per group`` (True stops
             that group early); ``None`` trains every round. The rounds actually run are in the
             result's ``rounds_run``; the cost of a plan counts every planned round.
+        engine: The engine that trains the plan, when it is not the method's own: one built at
+            ``setup`` with another local schedule (``ctx.make_engine``), optimizer
+            (``with_optimizer``) or participant policy (``with_participants``). Its schedule and
+            participants also count the plan's cost.
     """
 
     stage: int
     groups: tuple[Group, ...]
     init: InitRows
     stop: StopRule | None = None
+    engine: FederatedEngine | None = None
 
 
 def freeze(value: Any) -> Any:

@@ -214,7 +214,9 @@ class Planner(Algorithm):
         """Train ``plan`` on the engine (its rounds reported to the loop events when ``report``)."""
         hook = plan.stop() if plan.stop is not None else None
         init = self.init_rows(plan, results)
-        return self.train(init, list(plan.groups), plan.stage, on_round_end=hook, report=report)
+        return self.train(
+            init, list(plan.groups), plan.stage, on_round_end=hook, report=report, engine=plan.engine
+        )
 
     def cost(self, plan: StagePlan, latency: bool = False) -> int:
         """Client-steps of ``plan`` (every planned round, with the engine's participants of each).
@@ -222,7 +224,7 @@ class Planner(Algorithm):
         With ``latency``: groups train side by side, so the plan takes its slowest group's
         latency (a round: its slowest participant's steps).
         """
-        eng = self.engine
+        eng = self.engine if plan.engine is None else plan.engine
         per_round = eng.latency_of if latency else eng.client_steps_of
         costs = []
         for g in plan.groups:
