@@ -533,14 +533,15 @@ def test_failed_audit_exits_1_from_the_cli_only(run_root, capsys, monkeypatch):
     code, _, err = _run(["fit", *TINY, "--trainer.default_root_dir", str(run_root)], capsys)
     assert code == 0, err
     run = run_root / "version_0"
-    original = FedShard.audit
+    original = FedShard.audit_compare
 
-    def tampered(self, tolerance):  # a final model that differs from its replay, in memory only
-        first = next(iter(self.models[-1]))
-        self.models[-1][first][0] += 1e-3
-        return original(self, tolerance)
+    def tampered(self, state, reference, tolerance, steps):
+        # a final model that differs from its replay, in memory only
+        first = next(iter(state.models[-1]))
+        state.models[-1][first][0] += 1e-3
+        return original(self, state, reference, tolerance, steps)
 
-    monkeypatch.setattr(FedShard, "audit", tampered)
+    monkeypatch.setattr(FedShard, "audit_compare", tampered)
     code, out, err = _run(["audit", "--ckpt_path", str(run)], capsys)
     assert code == 1, err
     assert "audit FAILED" in out and "Traceback" not in err

@@ -50,14 +50,15 @@ def test_failed_audit_names_first_shard_and_likely_cause(tmp_path, capsys, monke
     env = json.loads((tr.run_dir / "numerics.json").read_text())
     env["torch"] = "0.0.0-elsewhere"
     (tr.run_dir / "numerics.json").write_text(json.dumps(env))
-    original = FedShard.audit
+    original = FedShard.audit_compare
 
-    def tampered(self, tolerance):  # a stage-2 model that differs from its replay, in memory only
-        first = next(iter(self.models[1]))
-        self.models[1][first][0] += 1e-3
-        return original(self, tolerance)
+    def tampered(self, state, reference, tolerance, steps):
+        # a stage-2 model that differs from its replay, in memory only
+        first = next(iter(state.models[1]))
+        state.models[1][first][0] += 1e-3
+        return original(self, state, reference, tolerance, steps)
 
-    monkeypatch.setattr(FedShard, "audit", tampered)
+    monkeypatch.setattr(FedShard, "audit_compare", tampered)
     res = _trainer(tmp_path).audit(*_fresh(), str(tr.run_dir))  # returned: no SystemExit from Python
     assert res["passed"] is False and res["max_abs_diff"] == pytest.approx(1e-3, rel=1e-4)
     out = capsys.readouterr().out

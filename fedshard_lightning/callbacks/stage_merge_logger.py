@@ -48,7 +48,7 @@ class StageMergeLogger(FederatedCallback):
         group_alpha = [
             (sum(alpha_list[c] for c in g) / len(g)) if g and alpha_list else 0.0 for g in grouping
         ]
-        clients = self._clients(run.algorithm, stage, len(grouping))
+        clients = self._clients(run.algorithm, stage, grouping)
         record = {
             "stage": int(stage),
             "groups": grouping,
@@ -79,12 +79,19 @@ class StageMergeLogger(FederatedCallback):
         run.log(scalars, step=len(run.history))
 
     @staticmethod
-    def _clients(algorithm: Any, stage: int, n: int) -> list[list[int]] | None:
+    def _clients(algorithm: Any, stage: int, grouping: list[list[int]]) -> list[list[int]] | None:
+        """The new shards' clients.
+
+        The merge is announced before the stage trains, so the tree has only the stages before it;
+        the new stage is built aside (the tree itself is immutable).
+        """
         tree = getattr(algorithm, "tree", None)
         if tree is None:
             return None
         try:
-            return [list(tree.shard(stage, i).clients) for i in range(n)]
+            if tree.num_stages >= stage:
+                return [list(tree.shard(stage, i).clients) for i in range(len(grouping))]
+            return [list(sh.clients) for sh in tree.with_stage(grouping)[1]]
         except (IndexError, ValueError, AttributeError):
             return None
 

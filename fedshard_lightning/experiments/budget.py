@@ -85,7 +85,9 @@ def _cap_calibration(
     """A FedShard with calibrated rounds, its cap set so that ``P`` stages at the cap spend ``budget``."""
     stages = num_stages(len(client_steps), alg.merge_rate)
     cap = max(1, int(budget // (stages * float(sum(client_steps)))))
+    policy = copy.deepcopy(policy)
     policy.max_rounds = cap
+    alg.round_policy = policy
     recorded = getattr(alg, "_init_args", None)
     if isinstance(recorded, dict):
         object.__setattr__(alg, "_init_args", {**recorded, "max_rounds": cap})

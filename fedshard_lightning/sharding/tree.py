@@ -20,6 +20,7 @@ Departures from the paper and choices of ours:
 
 from __future__ import annotations
 
+import copy
 import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -168,6 +169,41 @@ class ShardTree:
         self._arrays.append(next_stage(self._arrays[-1], children, starts))
         self._shards.append(None)
         return list(self._stage_shards(len(self._arrays) - 1))
+
+    def with_stage(self, groups: Sequence[Sequence[int]]) -> tuple[ShardTree, list[Shard]]:
+        """A new tree with :meth:`add_stage`'s stage, and that stage's shards; this tree stays as it is.
+
+        The immutable form for a planner's state: the stages' arrays are read-only and shared.
+        """
+        new = copy.copy(self)
+        new._arrays, new._shards = list(self._arrays), list(self._shards)
+        return new, new.add_stage(groups)
+
+    def live_shards(
+        self, client_weights: np.ndarray, gone: Iterable[int], stages: int | None = None
+    ) -> list[tuple[list[float], dict[int, tuple[int, ...]]]]:
+        """Per stage ``1..stages`` (default: all built): shard weights without ``gone``, and who remains where it hit.
+
+        A shard's weight is the sum of its remaining clients' ``client_weights`` (stage 1) or of
+        its children's weights; the remaining clients are listed only for the shards that lost one
+        (the others keep all). Vectorized on the stages' arrays; with integer-valued weights the
+        sums are exact, so they equal a sum over the shards in any order.
+        """
+        w = np.array(client_weights, dtype=np.float64)
+        dead = np.array(sorted({int(c) for c in gone}), dtype=np.int64)
+        w[dead] = 0.0
+        out, prev = [], w
+        for p in range(1, (self.num_stages if stages is None else stages) + 1):
+            a = self._arrays[p]
+            owner = a.owner()
+            weights = np.bincount(owner if p == 1 else a.parents, weights=prev, minlength=a.size)
+            hit = {}
+            for s in np.unique(owner[dead]).tolist():
+                ids = a.clients[a.client_starts[s] : a.client_starts[s + 1]]
+                hit[s] = tuple(ids[~np.isin(ids, dead)].tolist())
+            out.append((weights.tolist(), hit))
+            prev = weights
+        return out
 
     @classmethod
     def from_arrays(

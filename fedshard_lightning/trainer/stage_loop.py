@@ -4,10 +4,12 @@ For a :class:`~fedshard_lightning.unlearning.planner.Planner`, ``fit`` is this l
 of the method's::
 
     while (plan := next_stage(state)) is not None:
+        on_stage_merge                 # a plan that merges earlier groups says how
         on_stage_start                 # callbacks see the plan's groups
         result = engine runs the plan  # every round measured and reported (on_round_end)
         state = absorb(state, plan, result) + the plan's client-steps
         commit FLCache; on_stage_end   # the stage is on disk before anyone hears of it
+                                       # (its metrics: the loop's, stage_report's, the test accuracy)
 
 The method cannot forget a commit, lose a field, or miscount the fit: each is the loop's. The
 checks around ``next_stage``/``absorb``/``current_params`` (``unlearning/plan_contract.py``)
@@ -49,19 +51,25 @@ class StageLoop:
         planner, events = self.planner, self.events
         check = planner.checked
         state: PlanState = planner.state
+        t = time.perf_counter()
         while (plan := check.next_stage(state)) is not None:
+            if plan.merge is not None:
+                m = plan.merge
+                events.stage_merge(plan.stage, m.groups, m.alphas, m.rounds)
             events.stage_start(plan.stage, list(plan.groups))
-            t = time.perf_counter()
             result = planner.run_plan(plan, report=True)
             state = check.absorb(state, plan, result)
             state = state._with({"total_client_steps": state.total_client_steps + result.client_steps})
             planner.load_state_dict(state)
-            events.stage_end(
-                plan.stage,
-                {
-                    "groups": float(len(plan.groups)),
-                    "client_steps": float(result.client_steps),
-                    "seconds": time.perf_counter() - t,
-                },
-            )
+            metrics = {
+                "groups": float(len(plan.groups)),
+                "client_steps": float(result.client_steps),
+                "seconds": time.perf_counter() - t,  # planning (the merge) included
+            }
+            own, model = planner.stage_report(state, plan, result)
+            metrics.update(own)
+            if model is not None:
+                metrics["test_accuracy"], metrics["test_loss"] = events.evaluate(model)
+            events.stage_end(plan.stage, metrics)
+            t = time.perf_counter()
         return check.current_params(state)

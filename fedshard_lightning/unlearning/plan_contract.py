@@ -106,8 +106,9 @@ def check_rows(alg: Algorithm, init: Any, rows: int, where: str) -> Mapping[str,
 
 def check_field_values(alg: Algorithm, fields: Mapping[str, Any], where: str) -> None:
     """Refuse a state value that the cache cannot store (a dict of tensors, JSON or None)."""
+    stores_itself = getattr(alg, "stores_own_state", False)
     for name, value in fields.items():
-        problem = field_problem(value)
+        problem = field_problem(value, stores_itself)
         if problem is not None:
             raise ContractError(
                 f"{where}: the state field {name!r} is a {type(value).__name__}, neither a dict of tensors nor JSON "

@@ -26,13 +26,28 @@ from torch import Tensor
 from fedshard_lightning.engine import FederatedEngine, Group, RoundInfo, TrainResult
 from fedshard_lightning.errors import ContractError
 
-__all__ = ["BASE_FIELDS", "PlanState", "StagePlan", "freeze", "thaw"]
+__all__ = ["BASE_FIELDS", "PlanState", "StageMerge", "StagePlan", "freeze", "thaw"]
 
 BASE_FIELDS = ("theta0", "unlearned", "total_client_steps")
 """The loop's fields: the initial model, who was unlearned, what the fit cost. Methods read them."""
 
 StopRule = Callable[[], Callable[[RoundInfo, dict[str, Tensor]], Sequence[bool] | None]]
 InitRows = Mapping[str, Tensor] | Callable[[Sequence[TrainResult]], Mapping[str, Tensor]]
+
+
+@dataclass(frozen=True)
+class StageMerge:
+    """How a fit plan's groups merge the groups of the stage before (fired as ``on_stage_merge``).
+
+    Attributes:
+        groups: Per new group, the indices of the earlier groups it merges.
+        alphas: The earlier groups' statistic the merge was chosen by (FedShard: signed alpha).
+        rounds: The rounds given to each new group.
+    """
+
+    groups: Sequence[Sequence[int]]
+    alphas: Sequence[float]
+    rounds: Sequence[int]
 
 
 @dataclass(frozen=True)
@@ -53,6 +68,9 @@ class StagePlan:
             ``setup`` with another local schedule (``ctx.make_engine``), optimizer
             (``with_optimizer``) or participant policy (``with_participants``). Its schedule and
             participants also count the plan's cost.
+        merge: For a fit plan that merges earlier groups: how (the loop fires ``on_stage_merge``).
+        meta: What the method computed while planning and needs again in ``absorb`` (e.g. the
+            grouping's tree); the loop passes it through untouched. Treat it as immutable.
     """
 
     stage: int
@@ -60,6 +78,8 @@ class StagePlan:
     init: InitRows
     stop: StopRule | None = None
     engine: FederatedEngine | None = None
+    merge: StageMerge | None = None
+    meta: Any = None
 
 
 def freeze(value: Any) -> Any:
@@ -85,9 +105,12 @@ def is_tensor_map(value: Any) -> bool:
     return isinstance(value, Mapping) and bool(value) and all(isinstance(v, Tensor) for v in value.values())
 
 
-def field_problem(value: Any) -> str | None:
-    """Why a state field cannot be stored (None: a tensor mapping or JSON with str keys)."""
-    if value is None or is_tensor_map(value):
+def field_problem(value: Any, stores_itself: bool = False) -> str | None:
+    """Why a state field cannot be stored (None: a tensor mapping or JSON with str keys).
+
+    ``stores_itself``: the planner writes its own cache files, so any value it can write is fine.
+    """
+    if stores_itself or value is None or is_tensor_map(value):
         return None
     plain = thaw(value)
     try:

@@ -107,11 +107,63 @@ class Planner(Algorithm):
             dry = check.absorb(dry, plan, result)
         return plans
 
+    # -- optional hooks (defaults fit most methods) ------------------------------------------------
+    def stage_report(
+        self, state: PlanState, plan: StagePlan, result: TrainResult
+    ) -> tuple[dict[str, float], dict[str, Tensor] | None]:
+        """A fit stage's own metrics and the model the loop evaluates for it (``state``: after absorb).
+
+        Default: nothing of the method's, and no evaluation.
+        """
+        return {}, None
+
+    def unlearn_details(
+        self, state: PlanState, new: PlanState, clients: Sequence[int], plans: Sequence[StagePlan]
+    ) -> dict[str, Any]:
+        """What the request's report says besides its costs (``state`` before, ``new`` after); default none."""
+        return {}
+
+    def replay_state(self, state: PlanState) -> tuple[PlanState, int]:
+        """``state`` retrained from theta^0 without its unlearned clients, and the client-steps it took.
+
+        What ``audit`` compares with. Default: a fresh fit of ``next_stage`` plans without them, with
+        the loop's events silenced. A method whose retraining replays a frozen record (FedShard's
+        tree) overrides it with that record's plans.
+        """
+        ctx = self.ctx
+        self.ctx = replace(ctx, events=LoopEvents())
+        try:
+            reference = self.fit_silently(self.fresh_state(state.theta0, state.unlearned))
+        finally:
+            self.ctx = ctx
+        return reference, int(reference.total_client_steps)
+
+    def audit_compare(
+        self, state: PlanState, reference: PlanState, tolerance: float, steps: int
+    ) -> dict[str, Any]:
+        """``audit``'s verdict: the models of ``state`` and of its replay ``reference`` compared.
+
+        Default: the global models (:func:`~.base.retrain_audit`); a method with more models to
+        compare (FedShard's shards) lists them too.
+        """
+        return retrain_audit(
+            self.current_params(state),
+            self.current_params(reference),
+            list(state.unlearned),
+            tolerance,
+            steps,
+        )
+
     # -- helpers for methods -----------------------------------------------------------------------
     def active(self, state: PlanState, leaving: Sequence[int] = ()) -> list[int]:
         """Clients of ``state`` that are not unlearned, without ``leaving``."""
         gone = {*state.unlearned, *(int(c) for c in leaving)}
         return [c for c in range(self.num_clients) if c not in gone]
+
+    @property
+    def stores_own_state(self) -> bool:
+        """The method writes its own cache files (``cache_files``), so its state fields may be any value it writes."""
+        return type(self).cache_files is not Planner.cache_files
 
     # -- state (the loop's) ------------------------------------------------------------------------
     @property
@@ -218,6 +270,22 @@ class Planner(Algorithm):
             init, list(plan.groups), plan.stage, on_round_end=hook, report=report, engine=plan.engine
         )
 
+    def run_plans(self, plans: Sequence[StagePlan]) -> list[TrainResult]:
+        """Train a request's plans in order, unreported; later plans may start from earlier results.
+
+        Plans without a stop rule or an engine of their own train as one engine call
+        (:meth:`~.base.Algorithm.train_stages`: every stage's batches planned at once); the others
+        one by one.
+        """
+        if plans and all(p.stop is None and p.engine is None for p in plans):
+            return self.train_stages(
+                [(p.stage, list(p.groups)) for p in plans], lambda j, done: self.init_rows(plans[j], done)
+            )
+        results: list[TrainResult] = []
+        for plan in plans:
+            results.append(self.run_plan(plan, results))
+        return results
+
     def cost(self, plan: StagePlan, latency: bool = False) -> int:
         """Client-steps of ``plan`` (every planned round, with the engine's participants of each).
 
@@ -263,13 +331,18 @@ class Planner(Algorithm):
         retrain = sum(self.cost(p) for p in check.plan_retrain(state, clients))
         t = time.perf_counter()
         new = state._with({"unlearned": tuple(sorted({*state.unlearned, *(int(c) for c in clients)}))})
-        results: list[TrainResult] = []
-        for plan in plans:
-            results.append(self.run_plan(plan, results))
-            new = check.absorb(new, plan, results[-1])
+        results = self.run_plans(plans)
+        for plan, result in zip(plans, results):
+            new = check.absorb(new, plan, result)
+        seconds = time.perf_counter() - t
         steps = sum(r.client_steps for r in results)
         return new, UnlearnResult(
-            check.current_params(new), steps, predicted, retrain, time.perf_counter() - t
+            check.current_params(new),
+            steps,
+            predicted,
+            retrain,
+            seconds,
+            details=self.unlearn_details(state, new, clients, plans),
         )
 
     def unlearn(self, clients: Sequence[int]) -> UnlearnResult:
@@ -287,22 +360,12 @@ class Planner(Algorithm):
         return state
 
     def audit(self, tolerance: float) -> dict[str, Any]:
-        """Certify exact unlearning: fit from ``theta0`` without every unlearned client; compare the models."""
+        """Certify exact unlearning: :meth:`replay_state` (retraining without every unlearned client), then :meth:`audit_compare`."""
         if not self.exact:
             raise ConfigError(f"trainer.algorithm: {self.name} does not support audit (it is not exact)")
-        state, ctx = self.state, self.ctx
-        self.ctx = replace(ctx, events=LoopEvents())
-        try:
-            reference = self.fit_silently(self.fresh_state(state.theta0, state.unlearned))
-        finally:
-            self.ctx = ctx
-        return retrain_audit(
-            self.current_params(state),
-            self.current_params(reference),
-            list(state.unlearned),
-            tolerance,
-            reference.total_client_steps,
-        )
+        state = self.state
+        reference, steps = self.replay_state(state)
+        return self.audit_compare(state, reference, tolerance, steps)
 
     def fit(self) -> dict[str, Tensor]:
         """Not a planner's: the trainer's loop (``fedshard_lightning.trainer.stage_loop``) runs the plans."""

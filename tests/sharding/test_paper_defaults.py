@@ -196,6 +196,7 @@ def test_allocate_child_shard_scores_eq7_like_numpy(n: int, rate: int, seed: int
 
 def test_fedshard_passes_eq7_weights_of_the_stage_one_shards() -> None:
     """From stage 2 on, A1's costs weigh every client by ``1 / |alpha|`` of its stage-1 shard."""
+    from fedshard_lightning.unlearning.plan_state import PlanState
     from fedshard_lightning.unlearning.shard_state import ShardRecord
 
     alg = FedShard(rounds="fixed", fixed_rounds=2)
@@ -206,11 +207,11 @@ def test_fedshard_passes_eq7_weights_of_the_stage_one_shards() -> None:
         ShardRecord(children=(2, 3), clients=(2, 3), weight=2.0, alpha=-0.25, rounds=2, remaining=(2, 3)),
         ShardRecord(children=(4, 5), clients=(4, 5), weight=2.0, alpha=0.0, rounds=2, remaining=(4, 5)),
     ]
-    alg.records = [recs]
-    costs = alg._stage_costs(2)
+    costs = alg._stage_costs(PlanState({"records": [recs]}), alg.round_policy, 2)
     np.testing.assert_array_equal(costs.weights, [2.0, 2.0, 4.0, 4.0, 1e6, 1e6])
-    alg.records = []
-    np.testing.assert_array_equal(alg._stage_costs(1).weights, np.ones(6))
+    np.testing.assert_array_equal(
+        alg._stage_costs(PlanState({"records": []}), alg.round_policy, 1).weights, np.ones(6)
+    )
 
 
 # ---------------------------------------------------------------------- the stage-shared variant

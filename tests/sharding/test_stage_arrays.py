@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 
 from fedshard_lightning.sharding import ShardTree
 from fedshard_lightning.sharding.stage_arrays import grouping_error
-from fedshard_lightning.unlearning.shard_state import ShardCache
 
 
 def random_tree(k: int, rate: int, seed: int) -> ShardTree:
@@ -102,18 +101,6 @@ def test_from_arrays_rejects_malformed_arrays(arrays, message) -> None:
         ShardTree.from_arrays(8, 2, [(np.array(c), np.array(o)) for c, o in arrays])
 
 
-class _State(ShardCache):
-    """Just what ``live_shards`` reads."""
-
-    def __init__(self, tree: ShardTree, weighting: str, sizes: list[int]) -> None:
-        self.tree, self.num_clients, self.merge_weighting, self._sizes = (
-            tree,
-            tree.num_clients,
-            weighting,
-            sizes,
-        )
-
-
 @settings(max_examples=40, deadline=None)
 @given(
     k=st.integers(2, 120),
@@ -126,7 +113,8 @@ def test_live_shards_match_plain_sums(k, r, seed, weighting, data) -> None:
     tree = random_tree(k, r, seed)
     sizes = data.draw(st.lists(st.integers(1, 10**6), min_size=k, max_size=k))
     gone = set(data.draw(st.lists(st.integers(0, k - 1), max_size=k)))
-    live = _State(tree, weighting, sizes).live_shards(tree.num_stages, gone)
+    weights = np.ones(k) if weighting == "clients" else np.asarray(sizes, dtype=np.float64)
+    live = tree.live_shards(weights, gone)
     prev: list[float] = []
     for p in range(1, tree.num_stages + 1):
         weights, hit = live[p - 1]
