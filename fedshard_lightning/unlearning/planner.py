@@ -107,6 +107,13 @@ class Planner(Algorithm):
             dry = check.absorb(dry, plan, result)
         return plans
 
+    def unlearn_details(self, state: PlanState, clients: Sequence[int]) -> dict[str, Any]:
+        """What the request's report says besides its costs (default: nothing), from the state before it.
+
+        E.g. the round a rollback starts at; it goes into ``UnlearnResult.details`` and the report.
+        """
+        return {}
+
     # -- helpers for methods -----------------------------------------------------------------------
     def active(self, state: PlanState, leaving: Sequence[int] = ()) -> list[int]:
         """Clients of ``state`` that are not unlearned, without ``leaving``."""
@@ -261,6 +268,7 @@ class Planner(Algorithm):
         plans = check.plan_unlearn(state, clients)
         predicted = sum(self.cost(p) for p in plans)
         retrain = sum(self.cost(p) for p in check.plan_retrain(state, clients))
+        details = check.unlearn_details(state, clients)
         t = time.perf_counter()
         new = state._with({"unlearned": tuple(sorted({*state.unlearned, *(int(c) for c in clients)}))})
         results: list[TrainResult] = []
@@ -269,7 +277,7 @@ class Planner(Algorithm):
             new = check.absorb(new, plan, results[-1])
         steps = sum(r.client_steps for r in results)
         return new, UnlearnResult(
-            check.current_params(new), steps, predicted, retrain, time.perf_counter() - t
+            check.current_params(new), steps, predicted, retrain, time.perf_counter() - t, details=details
         )
 
     def unlearn(self, clients: Sequence[int]) -> UnlearnResult:
