@@ -19,8 +19,10 @@ FATS is a :class:`~fedshard_lightning.unlearning.planner.Planner`: each round is
 engine call whose stage is the round number (so that recomputation can start at any round with
 the same keys). The trainer's loop runs and commits the rounds one by one, so its callbacks see
 round r as stage r (one round) and a killed fit resumes after its last round. The state is the
-model after every round (row 0: theta^0) and each round's participants; a request is the plans of
-the rounds from the rollback round on, each from the model the one before it retrained.
+model after every round (row 0: theta^0) and each round's participants (ids padded with -1 to
+``sample_size``: a tensor, so the checks around every planner call and each commit do not walk
+a list that grows with the rounds); a request is the plans of the rounds from the rollback round
+on, each from the model the one before it retrained.
 
 Departures from the paper: clients run the engine's local training (``local_epochs`` or
 ``local_steps`` of mini-batch SGD with the model's optimizer) instead of the paper's one-sample
@@ -117,7 +119,13 @@ class FATS(Planner):
     # -- plans ------------------------------------------------------------------------------------
     def initial_state(self, theta0: dict[str, Tensor]) -> dict[str, Any]:
         """The model after every round so far (row 0: theta^0), and each round's participants."""
-        return {"models": stack_params([theta0]), "participants": []}
+        ids = torch.empty((0, self.sample_size), dtype=torch.int64)
+        return {"models": stack_params([theta0]), "participants": {"ids": ids}}
+
+    def participants_of(self, state: PlanState | None = None) -> list[list[int]]:
+        """Each trained round's participants (sorted ids); default: the current state."""
+        ids = (self.state if state is None else state).participants["ids"]
+        return [[c for c in row if c >= 0] for row in ids.tolist()]
 
     def _round(self, state: PlanState, r: int, init: InitRows, leaving: Sequence[int] = ()) -> StagePlan:
         """Round ``r`` (engine stage r, one round) of the active clients without ``leaving``, from ``init``."""
@@ -125,7 +133,7 @@ class FATS(Planner):
 
     def next_stage(self, state: PlanState) -> StagePlan | None:
         """The round after the last one trained, from its model; None after ``rounds`` rounds."""
-        r = len(state.participants)
+        r = len(state.participants["ids"])
         if r >= self.rounds:
             return None
         return self._round(state, r, stack_params([unstack_params(state.models, r)]))
@@ -134,14 +142,16 @@ class FATS(Planner):
         """Round r's model and participants replace those of round r and later (a rewind drops them)."""
         r = plan.stage
         parts = sorted(int(c) for c in result.history[0].participants[0]) if result.history else []
+        row = torch.tensor([parts + [-1] * (self.sample_size - len(parts))], dtype=torch.int64)
         models = {k: torch.cat([v[: r + 1], result.params[k]]) for k, v in state.models.items()}
-        return state.replace(models=models, participants=[*state.participants[:r], parts])
+        ids = torch.cat([state.participants["ids"][:r], row])
+        return state.replace(models=models, participants={"ids": ids})
 
     def first_round(self, clients: Sequence[int], state: PlanState | None = None) -> int | None:
         """First round in which one of ``clients`` took part (None: never); default: the current state."""
-        leaving = {int(c) for c in clients}
-        parts = (self.state if state is None else state).participants
-        return next((r for r, p in enumerate(parts) if leaving & set(p)), None)
+        ids = (self.state if state is None else state).participants["ids"]
+        hit = torch.isin(ids, torch.tensor([int(c) for c in clients], dtype=torch.int64)).any(dim=1)
+        return int(hit.nonzero()[0, 0]) if bool(hit.any()) else None
 
     def plan_unlearn(self, state: PlanState, clients: Sequence[int]) -> list[StagePlan]:
         """Rewind to the first round a leaving client took part in; recompute every later round without them.
@@ -175,17 +185,17 @@ class FATS(Planner):
 
     def current_params(self, state: PlanState) -> dict[str, Tensor]:
         """The model after the last round."""
-        return unstack_params(state.models, len(state.participants))
+        return unstack_params(state.models, len(state.participants["ids"]))
 
     def reference_params(self) -> dict[str, Tensor]:
         """The independent reference: every round from theta^0 without the unlearned, its keyed sample."""
         return ReferenceReplay(self.engine).rounds_as_stages(self.theta0, self.active_clients, self.rounds)
 
-    # -- cache ------------------------------------------------------------------------------------
+    # -- cache ---------------------------------------------------------------------------------------
     def cache_files(
         self, cache: FLCache
     ) -> tuple[dict[str, Any], dict[str, dict[str, Tensor]], dict[str, str]]:
-        """The participants; the models go to :meth:`cache_stacks`."""
+        """The participants (``participants.safetensors``); the models go to :meth:`cache_stacks`."""
         fields, tensors, reuse = super().cache_files(cache)
         tensors = {k: v for k, v in tensors.items() if k != "models.safetensors"}
         return fields, tensors, reuse
@@ -196,14 +206,17 @@ class FATS(Planner):
 
     def restore_cache(self, cache: FLCache, manifest: dict[str, Any], device: torch.device) -> None:
         """The models and participants of every trained round."""
-        parts = manifest.get("state", {}).get("participants")
-        if not isinstance(parts, list) or "rounds" not in manifest.get("stacks", {}):
+        if "participants.safetensors" not in manifest.get("files", {}) or "rounds" not in manifest.get(
+            "stacks", {}
+        ):
             raise CacheError(f"{cache.root}: the cache holds no FATS rounds (stack 'rounds', participants)")
+        ids = cache.tensors("participants.safetensors", manifest=manifest).get("ids")
         models = cache.stack("rounds", device=device, manifest=manifest)
-        if len(parts) > self.rounds or any(v.shape[0] != len(parts) + 1 for v in models.values()):
+        n = next(iter(models.values())).shape[0]
+        if ids is None or tuple(ids.shape) != (n - 1, self.sample_size) or n - 1 > self.rounds:
+            got = None if ids is None else tuple(ids.shape)
             raise CacheError(
-                f"{cache.root}: {len(parts)} rounds cached with {next(iter(models.values())).shape[0]} models, "
-                f"{self.rounds} configured"
+                f"{cache.root}: {n} models and participants {got} cached; {self.rounds} rounds of "
+                f"{self.sample_size} draws configured"
             )
-        participants = [[int(c) for c in p] for p in parts]
-        self.load_state_dict(self.state.replace(models=models, participants=participants))
+        self.load_state_dict(self.state.replace(models=models, participants={"ids": ids.to(torch.int64)}))

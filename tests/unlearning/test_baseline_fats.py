@@ -21,8 +21,8 @@ def scripted(self, round_, population):
 
 
 def _participants(alg):
-    """Each round's participants in the algorithm's current state, as lists."""
-    return [list(p) for p in alg.state.participants]
+    """Each round's participants in the algorithm's current state."""
+    return alg.participants_of()
 
 
 def test_rollback_starts_at_first_participation(run_root, monkeypatch):
@@ -106,7 +106,7 @@ def test_a_fit_killed_after_a_round_resumes_then_unlearns_and_audits(run_root):
     assert not FLCache(run / "cache").manifest()["complete"]
     resumer, model, dm = make(run_root, FATS, rounds=4, sample_size=3)
     assert resumer.fit(model, dm, ckpt_path=str(run))["resumed"]
-    assert len(resumer.algorithm.state.participants) == 4
+    assert len(resumer.algorithm.participants_of()) == 4
     assert (run / "model.safetensors").read_bytes() == (whole / "model.safetensors").read_bytes()
 
     leaving = next(c for c in range(6) if resumer.algorithm.first_round([c]) not in (None, 0))
