@@ -187,6 +187,10 @@ class FATS(Planner):
         """The model after the last round."""
         return unstack_params(state.models, len(state.participants["ids"]))
 
+    def progress(self) -> str:
+        """Rounds trained so far (a killed fit resumes after the last one)."""
+        return f"training stopped after round {len(self.participants_of())} of {self.rounds}"
+
     def reference_params(self) -> dict[str, Tensor]:
         """The independent reference: every round from theta^0 without the unlearned, its keyed sample."""
         return ReferenceReplay(self.engine).rounds_as_stages(self.theta0, self.active_clients, self.rounds)
@@ -201,7 +205,7 @@ class FATS(Planner):
         return fields, tensors, reuse
 
     def cache_stacks(self, cache: FLCache) -> dict[str, StackWrite]:
-        """The models as stack ``rounds``: one blob per round, so a commit writes only the new rounds."""
+        """The models as stack ``rounds``: one blob per round, so a commit writes only new rounds' blobs."""
         return {"rounds": StackWrite(dict(self.state.models))}
 
     def restore_cache(self, cache: FLCache, manifest: dict[str, Any], device: torch.device) -> None:

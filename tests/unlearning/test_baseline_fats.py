@@ -7,6 +7,7 @@ import torch
 from _baseline_helpers import fit, make, max_diff, unlearn
 
 from fedshard_lightning.callbacks import FederatedCallback
+from fedshard_lightning.errors import CacheError
 from fedshard_lightning.flcache import FLCache
 from fedshard_lightning.unlearning import FATS
 from fedshard_lightning.unlearning.context import AlgorithmContext
@@ -119,3 +120,13 @@ def test_a_fit_killed_after_a_round_resumes_then_unlearns_and_audits(run_root):
     trainer, model, dm = make(run_root, FATS, rounds=4, sample_size=3)
     result = trainer.audit(model, dm, str(run))
     assert result["passed"] and result["max_abs_diff"] == 0.0
+
+
+def test_an_unfinished_fit_refuses_requests_and_says_how_far_it_got(run_root):
+    killed, model, dm = make(run_root, FATS, rounds=4, sample_size=3, callbacks=[_KillAfterRound()])
+    with pytest.raises(KeyboardInterrupt):
+        killed.fit(model, dm)
+    with pytest.raises(
+        CacheError, match=r"training stopped after round 2 of 4; resume it with fit --ckpt_path"
+    ):
+        unlearn(run_root, killed.run_dir, FATS, [0], rounds=4, sample_size=3)
