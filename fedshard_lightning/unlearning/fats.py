@@ -15,8 +15,14 @@ are then removed (SPEC section 9). Removing a client that was never drawn before
 every draw before r unchanged, so the rewound-and-recomputed model is *equal* to FATS trained
 without the leaving clients from the start (every round's local shuffling is keyed too).
 
-Each FATS round is one engine call whose engine "stage" is the round number (so that recomputation
-can start at any round with the same keys); the trainer's callbacks still see stage 0, round r.
+FATS is a :class:`~fedshard_lightning.unlearning.planner.Planner`: each round is one plan, one
+engine call whose stage is the round number (so that recomputation can start at any round with
+the same keys). The trainer's loop runs and commits the rounds one by one, so its callbacks see
+round r as stage r (one round) and a killed fit resumes after its last round. The state is the
+model after every round (row 0: theta^0) and each round's participants (ids padded with -1 to
+``sample_size``: a tensor, so the checks around every planner call and each commit do not walk
+a list that grows with the rounds); a request is the plans of the rounds from the rollback round
+on, each from the model the one before it retrained.
 
 Departures from the paper: clients run the engine's local training (``local_epochs`` or
 ``local_steps`` of mini-batch SGD with the model's optimizer) instead of the paper's one-sample
@@ -27,21 +33,20 @@ client sampling only (no sample-level unlearning).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from fedshard_lightning.engine import Group, RoundInfo, TrainResult, stack_params, unstack_params
+from fedshard_lightning.engine import Group, TrainResult, stack_params, unstack_params
 from fedshard_lightning.engine.keys import SAMPLING, keyed_rng
 from fedshard_lightning.errors import CacheError, ConfigError
-from fedshard_lightning.flcache.cache import FLCache
-from fedshard_lightning.unlearning.base import UnlearnResult
+from fedshard_lightning.flcache.cache import FLCache, StackWrite
+from fedshard_lightning.limits import check_count
 from fedshard_lightning.unlearning.context import AlgorithmContext
-from fedshard_lightning.unlearning.fedavg import FedAvgRounds
+from fedshard_lightning.unlearning.plan_state import InitRows
+from fedshard_lightning.unlearning.planner import Planner, PlanState, StagePlan
 from fedshard_lightning.unlearning.reference import ReferenceReplay
 
 __all__ = ["FATS"]
@@ -50,7 +55,12 @@ _BLOCK = 64
 """Ids drawn per generator call; fixed, so the stream of draws never depends on the population."""
 
 
-class FATS(FedAvgRounds):
+def _previous_model(results: Sequence[TrainResult]) -> dict[str, Tensor]:
+    """A recomputed round starts from the model the round before it recomputed."""
+    return results[-1].params
+
+
+class FATS(Planner):
     """FedAvg with keyed sampling with replacement; unlearning rewinds to the first participation.
 
     Args:
@@ -63,10 +73,11 @@ class FATS(FedAvgRounds):
     local_bn_ok = False  # one engine call per round
 
     name = "fats"
-    state_fields = (*FedAvgRounds.state_fields, "models", "participants")
 
     def __init__(self, rounds: int = 20, sample_size: int = 8, **kwargs: Any) -> None:
-        super().__init__(rounds=rounds, **kwargs)
+        super().__init__(**kwargs)
+        check_count("algorithm.rounds", rounds)
+        self.rounds = rounds
         if isinstance(sample_size, bool) or not isinstance(sample_size, int) or sample_size < 1:
             raise ConfigError(f"algorithm.sample_size={sample_size!r}: must be a positive integer")
         if self.client_fraction != 1.0:
@@ -75,12 +86,6 @@ class FATS(FedAvgRounds):
                 "itself; leave client_fraction at 1.0"
             )
         self.sample_size = sample_size
-        self.models: dict[str, Tensor] | None = None
-        self.participants: list[list[int]] = []
-
-    def initial_state(self, theta0: dict[str, Tensor]) -> dict[str, Any]:
-        """No round trained yet."""
-        return {**super().initial_state(theta0), "models": None, "participants": []}
 
     def setup(self, ctx: AlgorithmContext) -> None:
         """Build the engine and make it sample with :meth:`sample`."""
@@ -111,124 +116,113 @@ class FATS(FedAvgRounds):
         # One engine call per FATS round: the engine's stage is the round number.
         return self.sample(stage, group.clients)
 
-    # -- rounds -----------------------------------------------------------------------------------
-    def _round(self, start: dict[str, Tensor], clients: Sequence[int], r: int, report: bool) -> TrainResult:
-        group = Group(0, tuple(clients), 1)
-        events = self.events
+    # -- plans ------------------------------------------------------------------------------------
+    def initial_state(self, theta0: dict[str, Tensor]) -> dict[str, Any]:
+        """The model after every round so far (row 0: theta^0), and each round's participants."""
+        ids = torch.empty((0, self.sample_size), dtype=torch.int64)
+        return {"models": stack_params([theta0]), "participants": {"ids": ids}}
 
-        def hook(info: RoundInfo, state: dict[str, Tensor]) -> None:
-            events.round_end(replace(info, stage=0, round=r), state, [group])
+    def participants_of(self, state: PlanState | None = None) -> list[list[int]]:
+        """Each trained round's participants (sorted ids); default: the current state."""
+        ids = (self.state if state is None else state).participants["ids"]
+        return [[c for c in row if c >= 0] for row in ids.tolist()]
 
-        return self.train(
-            stack_params([start]), [group], stage=r, on_round_end=hook if report else None, report=False
-        )
+    def _round(self, state: PlanState, r: int, init: InitRows, leaving: Sequence[int] = ()) -> StagePlan:
+        """Round ``r`` (engine stage r, one round) of the active clients without ``leaving``, from ``init``."""
+        return StagePlan(r, (Group(0, tuple(self.active(state, leaving)), 1),), init)
 
-    def _run(
-        self, start: dict[str, Tensor], clients: Sequence[int], first: int, report: bool
-    ) -> tuple[list[dict[str, Tensor]], list[list[int]], int]:
-        """Rounds ``first..rounds-1`` from ``start``: the models after each round, the participants, steps."""
-        models, parts, steps = [], [], 0
-        for r in range(first, self.rounds):
-            res = self._round(start, clients, r, report)
-            parts.append(sorted(res.history[0].participants[0]) if res.history else [])
-            start = unstack_params(res.params, 0)
-            models.append(start)
-            steps += res.client_steps
-        return models, parts, steps
+    def next_stage(self, state: PlanState) -> StagePlan | None:
+        """The round after the last one trained, from its model; None after ``rounds`` rounds."""
+        r = len(state.participants["ids"])
+        if r >= self.rounds:
+            return None
+        return self._round(state, r, stack_params([unstack_params(state.models, r)]))
 
-    def fit(self) -> dict[str, Tensor]:
-        """``rounds`` FATS rounds over all (active) clients from theta^0."""
-        clients = tuple(self.active_clients)
-        self.events.stage_start(0, [Group(0, clients, self.rounds)])
-        models, self.participants, self.total_client_steps = self._run(self.theta0, clients, 0, report=True)
-        self.models = stack_params([self.theta0, *models])
-        self.params = models[-1]
-        self.events.stage_end(0, {"client_steps": float(self.total_client_steps)})
-        return self.params
+    def absorb(self, state: PlanState, plan: StagePlan, result: TrainResult) -> PlanState:
+        """Round r's model and participants replace those of round r and later (a rewind drops them)."""
+        r = plan.stage
+        parts = sorted(int(c) for c in result.history[0].participants[0]) if result.history else []
+        row = torch.tensor([parts + [-1] * (self.sample_size - len(parts))], dtype=torch.int64)
+        models = {k: torch.cat([v[: r + 1], result.params[k]]) for k, v in state.models.items()}
+        ids = torch.cat([state.participants["ids"][:r], row])
+        return state.replace(models=models, participants={"ids": ids})
 
-    # -- costs ------------------------------------------------------------------------------------
-    def first_round(self, clients: Sequence[int]) -> int | None:
-        """First round in which one of ``clients`` took part (None: never)."""
-        leaving = set(clients)
-        return next((r for r, p in enumerate(self.participants) if leaving & set(p)), None)
+    def first_round(self, clients: Sequence[int], state: PlanState | None = None) -> int | None:
+        """First round in which one of ``clients`` took part (None: never); default: the current state."""
+        ids = (self.state if state is None else state).participants["ids"]
+        hit = torch.isin(ids, torch.tensor([int(c) for c in clients], dtype=torch.int64)).any(dim=1)
+        return int(hit.nonzero()[0, 0]) if bool(hit.any()) else None
 
-    def _cost_from(self, first: int, clients: Sequence[int], latency: bool = False) -> int:
-        group = Group(0, tuple(clients), 1)
-        per_round = self.engine.latency_of if latency else self.engine.client_steps_of
-        return sum(per_round(self.engine.participants(r, group, 0)) for r in range(first, self.rounds))
+    def plan_unlearn(self, state: PlanState, clients: Sequence[int]) -> list[StagePlan]:
+        """Rewind to the first round a leaving client took part in; recompute every later round without them.
 
-    def predict_cost(self, clients: Sequence[int]) -> int:
-        """Steps of the rounds from the first participation on, re-sampled without ``clients``."""
-        first = self.first_round(clients)
-        return 0 if first is None else self._cost_from(first, self.remaining(clients))
+        Nothing to do for clients never sampled: no round saw them.
+        """
+        first = self.first_round(clients, state)
+        if first is None:
+            return []
+        start = stack_params([unstack_params(state.models, first)])
+        later = [self._round(state, r, _previous_model, clients) for r in range(first + 1, self.rounds)]
+        return [self._round(state, first, start, clients), *later]
 
-    def retrain_cost(self, clients: Sequence[int]) -> int:
-        """Steps of FATS retrained from scratch without ``clients``."""
-        return self._cost_from(0, self.remaining(clients))
+    def plan_retrain(self, state: PlanState, clients: Sequence[int]) -> list[StagePlan]:
+        """Every round without ``clients``, for its cost.
 
-    def predict_latency(self, clients: Sequence[int]) -> int:
-        """The slowest re-sampled participant of every round from the first participation on."""
-        first = self.first_round(clients)
-        return 0 if first is None else self._cost_from(first, self.remaining(clients), latency=True)
+        The fit's plans do not depend on the models, so they are listed directly rather than by
+        the default's dry fold (which would copy the stack of models once per round).
+        """
+        start = stack_params([state.theta0])
+        return [self._round(state, r, start, clients) for r in range(self.rounds)]
 
-    # -- unlearning -------------------------------------------------------------------------------
-    def unlearn(self, clients: Sequence[int]) -> UnlearnResult:
-        """Rewind to the first round a leaving client took part in; recompute the rest without them."""
-        first = self.first_round(clients)
-        firsts = {str(c): self.first_round([c]) for c in clients}
-        remaining = self.remaining(clients)
-        predicted = self.predict_cost(clients)
-        retrain = self.retrain_cost(clients)
-        t = time.perf_counter()
-        steps = 0
-        if first is not None:
-            models, parts, steps = self._run(
-                unstack_params(self.models, first), remaining, first, report=False
-            )
-            self.models = {
-                k: torch.cat([v[: first + 1], torch.stack([m[k] for m in models])])
-                for k, v in self.models.items()
-            }
-            self.participants = self.participants[:first] + parts
-            self.params = models[-1]
-        seconds = time.perf_counter() - t
-        self.unlearned = sorted({*self.unlearned, *clients})
-        return UnlearnResult(
-            self.current_params(),
-            steps,
-            predicted,
-            retrain,
-            seconds,
-            details={
-                "rollback_round": first,
-                "retrained_rounds": [] if first is None else list(range(first, self.rounds)),
-                "first_participation": firsts,
-            },
-        )
+    def unlearn_details(
+        self, state: PlanState, new: PlanState, clients: Sequence[int], plans: Sequence[StagePlan]
+    ) -> dict[str, Any]:
+        """The rollback round, the rounds recomputed and each leaving client's first round."""
+        first = self.first_round(clients, state)
+        return {
+            "rollback_round": first,
+            "retrained_rounds": [] if first is None else list(range(first, self.rounds)),
+            "first_participation": {str(c): self.first_round([c], state) for c in clients},
+        }
+
+    def current_params(self, state: PlanState) -> dict[str, Tensor]:
+        """The model after the last round."""
+        return unstack_params(state.models, len(state.participants["ids"]))
+
+    def progress(self) -> str:
+        """Rounds trained so far (a killed fit resumes after the last one)."""
+        return f"training stopped after round {len(self.participants_of())} of {self.rounds}"
 
     def reference_params(self) -> dict[str, Tensor]:
         """The independent reference: every round from theta^0 without the unlearned, its keyed sample."""
         return ReferenceReplay(self.engine).rounds_as_stages(self.theta0, self.active_clients, self.rounds)
 
-    # -- cache ------------------------------------------------------------------------------------
+    # -- cache ---------------------------------------------------------------------------------------
     def cache_files(
         self, cache: FLCache
     ) -> tuple[dict[str, Any], dict[str, dict[str, Tensor]], dict[str, str]]:
-        """The model after every round and every round's participants."""
+        """The participants (``participants.safetensors``); the models go to :meth:`cache_stacks`."""
         fields, tensors, reuse = super().cache_files(cache)
-        if self.params is not None:
-            tensors = {**tensors, "rounds.safetensors": self.models}
-        return {**fields, "participants": self.participants}, tensors, reuse
+        tensors = {k: v for k, v in tensors.items() if k != "models.safetensors"}
+        return fields, tensors, reuse
+
+    def cache_stacks(self, cache: FLCache) -> dict[str, StackWrite]:
+        """The models as stack ``rounds``: one blob per round, so a commit writes only new rounds' blobs."""
+        return {"rounds": StackWrite(dict(self.state.models))}
 
     def restore_cache(self, cache: FLCache, manifest: dict[str, Any], device: torch.device) -> None:
-        """Restore the per-round models and participants."""
-        super().restore_cache(cache, manifest, device)
-        if self.params is None:
-            self.models, self.participants = None, []
-            return
-        self.models = cache.tensors("rounds.safetensors", device=device, manifest=manifest)
-        self.participants = [[int(c) for c in p] for p in manifest["participants"]]
-        if len(self.participants) != self.rounds:
+        """The models and participants of every trained round."""
+        if "participants.safetensors" not in manifest.get("files", {}) or "rounds" not in manifest.get(
+            "stacks", {}
+        ):
+            raise CacheError(f"{cache.root}: the cache holds no FATS rounds (stack 'rounds', participants)")
+        ids = cache.tensors("participants.safetensors", manifest=manifest).get("ids")
+        models = cache.stack("rounds", device=device, manifest=manifest)
+        n = next(iter(models.values())).shape[0]
+        if ids is None or tuple(ids.shape) != (n - 1, self.sample_size) or n - 1 > self.rounds:
+            got = None if ids is None else tuple(ids.shape)
             raise CacheError(
-                f"{cache.root}: {len(self.participants)} rounds cached, {self.rounds} configured"
+                f"{cache.root}: {n} models and participants {got} cached; {self.rounds} rounds of "
+                f"{self.sample_size} draws configured"
             )
+        self.load_state_dict(self.state.replace(models=models, participants={"ids": ids.to(torch.int64)}))

@@ -77,8 +77,8 @@ class FedAvg(Planner):
 class FedAvgRounds(Algorithm):
     """FedAvg with its state as attributes: the base of the methods that drive each round themselves.
 
-    FATS, FedEraser, FedRecover and RapidRetrain choose participants, keep histories or
-    precondition round by round; they train and unlearn like :class:`FedAvg` unless they override it.
+    FedEraser and FedRecover (through ``history.py``) keep histories round by round; they train
+    and unlearn like :class:`FedAvg` unless they override it.
 
     Args:
         rounds: Communication rounds.

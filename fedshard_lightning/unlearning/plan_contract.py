@@ -167,6 +167,18 @@ class CheckedPlanner:
         plans = self._call("plan_retrain", state, clients)
         return [check_plan(self.alg, p, f"trainer.algorithm: {self.name}.plan_retrain()") for p in plans]
 
+    def unlearn_details(
+        self, state: PlanState, new: PlanState, clients: Sequence[int], plans: Sequence[StagePlan]
+    ) -> dict[str, Any]:
+        """The request's details for its report, checked: a dict with str keys."""
+        details = self._call("unlearn_details", state, new, clients, plans)
+        if not isinstance(details, dict) or not all(isinstance(k, str) for k in details):
+            raise ContractError(
+                f"trainer.algorithm: {self.name}.unlearn_details() must return a dict with str keys, "
+                f"got {type(details).__name__}"
+            )
+        return details
+
     def absorb(self, state: PlanState, plan: StagePlan, result: TrainResult) -> PlanState:
         """The state after ``plan`` ran, checked: same fields, the loop's untouched, new values storable."""
         new = self._call("absorb", state, plan, result)

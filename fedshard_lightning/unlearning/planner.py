@@ -342,7 +342,7 @@ class Planner(Algorithm):
             predicted,
             retrain,
             seconds,
-            details=self.unlearn_details(state, new, clients, plans),
+            details=check.unlearn_details(state, new, clients, plans),
         )
 
     def unlearn(self, clients: Sequence[int]) -> UnlearnResult:

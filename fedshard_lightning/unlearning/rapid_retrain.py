@@ -14,6 +14,10 @@ fewer rounds (``unlearn_rounds``, default ``rounds // 2``) are needed than for r
 with ``β = fisher_momentum``, ``λ = damping``, ``η = lr``, ``F_0 = 0``
 (:class:`FisherPreconditionedSGD`).
 
+It is written as a :class:`~fedshard_lightning.unlearning.fedavg.FedAvg` planner: the fit is
+FedAvg's one plan, a request one plan of ``unlearn_rounds`` rounds on the unlearning engine (the
+plan's ``engine``, which also counts its cost).
+
 Choices and departures:
 
 * SPEC section 9 describes RR as this update: a diagonal empirical Fisher from squared
@@ -40,20 +44,19 @@ Choices and departures:
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from fedshard_lightning.engine import FederatedEngine, Group, stack_params, unstack_params
+from fedshard_lightning.engine import FederatedEngine, Group, stack_params
 from fedshard_lightning.engine.optim import OptimizerSpec
 from fedshard_lightning.errors import ConfigError
 from fedshard_lightning.limits import check_count
-from fedshard_lightning.unlearning.base import UnlearnResult
 from fedshard_lightning.unlearning.context import AlgorithmContext
-from fedshard_lightning.unlearning.fedavg import FedAvgRounds
+from fedshard_lightning.unlearning.fedavg import FedAvg
+from fedshard_lightning.unlearning.planner import PlanState, StagePlan
 
 __all__ = ["FisherPreconditionedSGD", "RapidRetrain"]
 
@@ -107,8 +110,12 @@ class FisherPreconditionedSGD(torch.optim.Optimizer):
         return loss
 
 
-class RapidRetrain(FedAvgRounds):
+class RapidRetrain(FedAvg):
     """FedAvg; unlearning retrains the remaining clients with Fisher-preconditioned local steps.
+
+    A :class:`~fedshard_lightning.unlearning.fedavg.FedAvg` planner whose request is one plan on
+    the unlearning engine: ``unlearn_rounds`` rounds of the remaining clients from theta^0.
+    Retraining from scratch (``retrain_cost``) stays FedAvg's ``rounds`` rounds.
 
     Args:
         rounds: Communication rounds of training.
@@ -158,40 +165,13 @@ class RapidRetrain(FedAvgRounds):
         )
         self.unlearn_engine = engine.with_optimizer(spec)
 
-    def _group(self, clients: Sequence[int]) -> Group:
-        return Group(0, tuple(clients), self.unlearn_rounds)
-
-    def predict_cost(self, clients: Sequence[int]) -> int:
-        """Steps of ``unlearn_rounds`` rounds of the remaining clients."""
-        group = self._group(self.remaining(clients))
-        eng = self.unlearn_engine
-        return sum(eng.client_steps_of(eng.participants(0, group, r)) for r in range(self.unlearn_rounds))
-
-    def predict_latency(self, clients: Sequence[int]) -> int:
-        """The slowest remaining participant of each of the ``unlearn_rounds`` rounds."""
-        group = self._group(self.remaining(clients))
-        eng = self.unlearn_engine
-        return sum(eng.latency_of(eng.participants(0, group, r)) for r in range(self.unlearn_rounds))
-
-    def retrain_cost(self, clients: Sequence[int]) -> int:
-        """Steps of FedAvg retrained from scratch for ``rounds`` rounds."""
-        return FedAvgRounds.predict_cost(self, clients)
-
-    def unlearn(self, clients: Sequence[int]) -> UnlearnResult:
+    def plan_unlearn(self, state: PlanState, clients: Sequence[int]) -> list[StagePlan]:
         """Rapid retraining from theta^0 without ``clients`` (and every earlier unlearned client)."""
-        group = self._group(self.remaining(clients))
-        predicted = self.predict_cost(clients)
-        retrain = self.retrain_cost(clients)
-        t = time.perf_counter()
-        res = self.unlearn_engine.train_groups(stack_params([self.theta0]), [group], 0)
-        seconds = time.perf_counter() - t
-        self.params = unstack_params(res.params, 0)
-        self.unlearned = sorted({*self.unlearned, *clients})
-        return UnlearnResult(
-            self.current_params(),
-            res.client_steps,
-            predicted,
-            retrain,
-            seconds,
-            details={"unlearn_rounds": self.unlearn_rounds},
-        )
+        group = Group(0, tuple(self.active(state, clients)), self.unlearn_rounds)
+        return [StagePlan(0, (group,), stack_params([state.theta0]), engine=self.unlearn_engine)]
+
+    def unlearn_details(
+        self, state: PlanState, new: PlanState, clients: Sequence[int], plans: Sequence[StagePlan]
+    ) -> dict[str, Any]:
+        """The rounds of rapid retraining."""
+        return {"unlearn_rounds": self.unlearn_rounds}

@@ -21,9 +21,10 @@ def make(
     factory: Callable[..., Algorithm],
     k: int = K,
     unlearned: list[int] | None = None,
+    callbacks: list[Any] | None = None,
     **alg: Any,
 ) -> tuple[FederatedTrainer, MLP, SyntheticDataModule]:
-    """A fresh (trainer, model, datamodule) for ``factory(**alg)`` (``unlearned``: see :func:`fit`)."""
+    """A fresh (trainer, model, datamodule) for ``factory(**alg)`` (``unlearned``: see :func:`fit`; ``callbacks``: extra)."""
     alg.setdefault("rounds", 3)
     alg.setdefault("batch_size", 5)
     algorithm = factory(**alg)
@@ -39,6 +40,7 @@ def make(
         eval_every_n_rounds=0,
         vectorize="always",
         enable_fairness=False,  # these fits check exactness; a scripted sampler has no replay rounds
+        callbacks=callbacks,
     )
     return trainer, model, dm
 

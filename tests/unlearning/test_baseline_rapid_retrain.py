@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
-from _baseline_helpers import fit, make
+from _baseline_helpers import fit, make, unlearn
 
+from fedshard_lightning.callbacks import FederatedCallback
 from fedshard_lightning.engine.optim import shrink_optimizer
+from fedshard_lightning.errors import ConfigError
+from fedshard_lightning.flcache import FLCache
 from fedshard_lightning.unlearning import FisherPreconditionedSGD, RapidRetrain
 
 LR, BETA, DAMP = 0.05, 0.9, 1e-3
@@ -80,3 +84,33 @@ def test_unlearning_uses_the_fisher_optimizer_on_both_paths(run_root):
     # a different update rule than FedAvg retraining for the same rounds
     fa = fit(run_root, RapidRetrain, rounds=2, unlearned=[4]).algorithm.current_params()
     assert any(not torch.allclose(res.params[k], fa[k]) for k in fa)
+
+
+class _KillAfterCommit(FederatedCallback):
+    """Stops the fit once its one stage is committed (a kill before it leaves no run to resume)."""
+
+    def on_stage_end(self, trainer, stage, metrics) -> None:
+        raise KeyboardInterrupt("killed after the stage's commit")
+
+
+def test_a_killed_fit_resumes_then_unlearns_and_refuses_audit(run_root):
+    whole = fit(run_root, RapidRetrain, rounds=4).run_dir
+    killed, model, dm = make(run_root, RapidRetrain, rounds=4, callbacks=[_KillAfterCommit()])
+    with pytest.raises(KeyboardInterrupt):
+        killed.fit(model, dm)
+    run = killed.run_dir
+    assert FLCache(run / "cache").versions() == ["0001-stage-0"]
+    assert not (run / "model.safetensors").exists()
+    resumer, model, dm = make(run_root, RapidRetrain, rounds=4)
+    assert resumer.fit(model, dm, ckpt_path=str(run))["resumed"]
+    assert (run / "model.safetensors").read_bytes() == (whole / "model.safetensors").read_bytes()
+
+    reports = [unlearn(run_root, r, RapidRetrain, [4], rounds=4) for r in (run, whole)]
+    assert (
+        reports[0]["client_steps"] == reports[0]["predicted_client_steps"] == reports[1]["client_steps"] > 0
+    )
+    assert reports[0]["unlearn_rounds"] == 2
+    assert (run / "model.safetensors").read_bytes() == (whole / "model.safetensors").read_bytes()
+    trainer, model, dm = make(run_root, RapidRetrain, rounds=4)
+    with pytest.raises(ConfigError, match="does not support audit"):
+        trainer.audit(model, dm, str(run))
