@@ -53,6 +53,8 @@ class StagePlan:
             ``setup`` with another local schedule (``ctx.make_engine``), optimizer
             (``with_optimizer``) or participant policy (``with_participants``). Its schedule and
             participants also count the plan's cost.
+        keep_client_params: Record each round's start model and its participants' models in the
+            result's ``history`` (for an ``absorb`` that reads client updates, e.g. to keep them).
     """
 
     stage: int
@@ -60,6 +62,7 @@ class StagePlan:
     init: InitRows
     stop: StopRule | None = None
     engine: FederatedEngine | None = None
+    keep_client_params: bool = False
 
 
 def freeze(value: Any) -> Any:

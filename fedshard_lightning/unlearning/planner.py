@@ -107,6 +107,12 @@ class Planner(Algorithm):
             dry = check.absorb(dry, plan, result)
         return plans
 
+    def unlearn_details(
+        self, state: PlanState, new: PlanState, clients: Sequence[int], plans: Sequence[StagePlan]
+    ) -> dict[str, Any]:
+        """What the request's report says besides its costs (``state`` before, ``new`` after); default none."""
+        return {}
+
     # -- helpers for methods -----------------------------------------------------------------------
     def active(self, state: PlanState, leaving: Sequence[int] = ()) -> list[int]:
         """Clients of ``state`` that are not unlearned, without ``leaving``."""
@@ -211,11 +217,24 @@ class Planner(Algorithm):
     def run_plan(
         self, plan: StagePlan, results: Sequence[TrainResult] = (), report: bool = False
     ) -> TrainResult:
-        """Train ``plan`` on the engine (its rounds reported to the loop events when ``report``)."""
-        hook = plan.stop() if plan.stop is not None else None
+        """Train ``plan`` on the engine (its rounds reported to the loop events when ``report``).
+
+        A plan whose groups train no round is its initial models, without an engine call: e.g. a
+        request's last plan, which holds the model that the server computed from the plans before it.
+        """
         init = self.init_rows(plan, results)
+        if all(g.rounds == 0 for g in plan.groups):
+            groups = len(plan.groups)
+            return TrainResult(init, 0, [0] * groups, [0] * groups, 0.0, [])
+        hook = plan.stop() if plan.stop is not None else None
         return self.train(
-            init, list(plan.groups), plan.stage, on_round_end=hook, report=report, engine=plan.engine
+            init,
+            list(plan.groups),
+            plan.stage,
+            on_round_end=hook,
+            keep_client_params=plan.keep_client_params,
+            report=report,
+            engine=plan.engine,
         )
 
     def cost(self, plan: StagePlan, latency: bool = False) -> int:
@@ -254,7 +273,9 @@ class Planner(Algorithm):
         """The state after removing ``clients``, and the result: a fold of ``absorb`` over ``plan_unlearn``.
 
         Nothing is swapped or written: ``state`` stays as it was (it is immutable), so what-if
-        analyses keep the new state and the trainer's ``unlearn`` commits it.
+        analyses keep the new state and the trainer's ``unlearn`` commits it. The result's
+        ``server_seconds`` are the request's time outside the engine's training (the plans' init
+        functions and ``absorb``); its ``details`` are :meth:`unlearn_details`.
         """
         state = state if isinstance(state, PlanState) else PlanState(state)
         check = self.checked
@@ -267,9 +288,16 @@ class Planner(Algorithm):
         for plan in plans:
             results.append(self.run_plan(plan, results))
             new = check.absorb(new, plan, results[-1])
+        seconds = time.perf_counter() - t
         steps = sum(r.client_steps for r in results)
         return new, UnlearnResult(
-            check.current_params(new), steps, predicted, retrain, time.perf_counter() - t
+            check.current_params(new),
+            steps,
+            predicted,
+            retrain,
+            seconds,
+            server_seconds=max(seconds - sum(r.seconds for r in results), 0.0),  # inits and absorbs
+            details=self.unlearn_details(state, new, clients, plans),
         )
 
     def unlearn(self, clients: Sequence[int]) -> UnlearnResult:
