@@ -1,10 +1,10 @@
 """Federated (un)learning algorithms behind one interface: policies over explicit state.
 
 :class:`Planner` (``planner.py``) is how a method is written: it plans stages over an immutable
-:class:`PlanState` and the trainer runs the loop (FedAvg retraining is one). :class:`Algorithm`
-(``base.py``) is the interface the trainer calls, which a planner implements from its plans;
-FedShard, FATS, RapidRetrain, FedEraser and FedRecover (the last two on ``history.py``)
-implement it directly. :class:`AlgorithmContext` (``context.py``) is all a method sees of a run.
+:class:`PlanState` and the trainer runs the loop (FedAvg retraining is one, FedEraser and
+FedRecover on ``history.py`` too). :class:`Algorithm` (``base.py``) is the interface the trainer
+calls, which a planner implements from its plans; FedShard, FATS and RapidRetrain implement it
+directly. :class:`AlgorithmContext` (``context.py``) is all a method sees of a run.
 """
 
 from fedshard_lightning.unlearning.base import Algorithm, UnlearnResult
