@@ -211,6 +211,8 @@ class TrainerEvents(LoopEvents):
         if t.is_global_zero and t.run_dir is not None and not (t.run_dir / numerics.FILE).exists():
             numerics.record(t.run_dir, numerics.current(t.algorithm, t.module, t.device, t.tf32))
         t.fabric.barrier()
+        if version is None and t.store.cache.exists():  # another process wrote it: on disk for this one too
+            t.algorithm.committed(t.store.cache, t.store.cache.current())
 
     def evaluate(self, params: dict[str, Tensor]) -> tuple[float, float]:
         """The trainer's test-set evaluation."""

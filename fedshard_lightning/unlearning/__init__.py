@@ -1,10 +1,10 @@
 """Federated (un)learning algorithms behind one interface: policies over explicit state.
 
 :class:`Planner` (``planner.py``) is how a method is written: it plans stages over an immutable
-:class:`PlanState` and the trainer runs the loop (FedAvg retraining, FATS and RapidRetrain are
-planners). :class:`Algorithm` (``base.py``) is the interface the trainer calls, which a planner
-implements from its plans; FedShard, FedEraser and FedRecover (the last two on ``history.py``)
-implement it directly. :class:`AlgorithmContext` (``context.py``) is all a method sees of a run.
+:class:`PlanState` and the trainer runs the loop: FedShard, FedAvg retraining, FATS, FedEraser,
+RapidRetrain and FedRecover are planners (FedEraser and FedRecover on ``history.py``).
+:class:`Algorithm` (``base.py``) is the interface the trainer calls, which a planner implements
+from its plans. :class:`AlgorithmContext` (``context.py``) is all a method sees of a run.
 """
 
 from fedshard_lightning.unlearning.base import Algorithm, UnlearnResult

@@ -287,7 +287,7 @@ class Algorithm(RecordsInitArgs):
         return {}
 
     def committed(self, cache: Any, version: str) -> None:
-        """The state now lives in ``version`` (e.g. to write only what changed next time)."""
+        """The state now lives in ``version`` (e.g. to write only what changed next time); every process hears it."""
 
     def restore_cache(self, cache: Any, manifest: dict[str, Any], device: torch.device) -> None:
         """Restore the fields that :meth:`cache_files` wrote (``theta0`` and the base state are the trainer's)."""

@@ -43,31 +43,30 @@ Choices and departures:
   started from a model the leaving client had trained. The two agree only for ``delta_t = 1``
   in the first step; ours keep rounds ``0, delta_t, ...`` and subtract each round's start model.
 
-Training is plain FedAvg, run as one engine call per round (the engine stage is the round number),
-which :class:`HistoryFedAvg` provides for FedEraser and FedRecover alike; it keeps the retained
-rounds in FLCache files, written as training goes and read back one round at a time, so memory
-holds a single round of client updates.
+Training is plain FedAvg, one plan (engine call) per round, the engine stage being the round
+number: :class:`HistoryFedAvg` provides it for FedEraser and FedRecover alike, and keeps the
+retained rounds in FLCache files, written as training goes and read back one round at a time, so
+memory holds a single round of client updates. A request is a plan per calibrated round, on the
+calibration engine, whose ``init`` computes the calibrated model of the round before it (the
+server's work: reused round 0, rescaling, averaging), and a closing plan without training that
+holds the last calibrated model.
 """
 
 from __future__ import annotations
 
 import math
-import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
-from fedshard_lightning.engine import (
-    FederatedEngine,
-    LocalSchedule,
-)
+from fedshard_lightning.engine import FederatedEngine, Group, LocalSchedule, TrainResult, stack_params
 from fedshard_lightning.errors import ConfigError
-from fedshard_lightning.unlearning.base import UnlearnResult
 from fedshard_lightning.unlearning.context import AlgorithmContext
 from fedshard_lightning.unlearning.history import HistoryFedAvg
+from fedshard_lightning.unlearning.planner import PlanState, StagePlan
 
 __all__ = ["FedEraser", "calibrate_updates"]
 
@@ -164,81 +163,86 @@ class FedEraser(HistoryFedAvg):
         super().setup(ctx)
         self.calibration_engine = ctx.make_engine(self.calibration_schedule, 1.0)
 
-    def _plan(self, clients: Sequence[int]) -> list[tuple[int, list[int]]]:
-        rest = set(self.remaining(clients))
-        plan = [(r, [c for c in self.history.participants[r] if c in rest]) for r in self.history.rounds]
-        return [(r, cl) for r, cl in plan if cl]
-
-    def predict_cost(self, clients: Sequence[int]) -> int:
-        """Calibration steps of the remaining participants of every retained (and not reused) round."""
-        return sum(
-            self.calibration_engine.client_steps_of(cl)
-            for r, cl in self._plan(clients)
-            if not self._reused(r)
-        )
-
-    def predict_latency(self, clients: Sequence[int]) -> int:
-        """The slowest remaining participant's calibration steps of every retained round."""
-        return sum(
-            self.calibration_engine.latency_of(cl) for r, cl in self._plan(clients) if not self._reused(r)
-        )
+    def _replayed(self, state: PlanState, clients: Sequence[int]) -> list[tuple[int, tuple[int, ...]]]:
+        """Retained rounds with their original participants that remain (rounds none remains in are skipped)."""
+        rest = set(self.active(state, clients))
+        history = self.history_of(state)
+        rounds = [(r, tuple(c for c in history.participants[r] if c in rest)) for r in history.rounds]
+        return [(r, cl) for r, cl in rounds if cl]
 
     def _reused(self, r: int) -> bool:
         return self.reuse_first_round and r == 0
 
-    def unlearn(self, clients: Sequence[int]) -> UnlearnResult:
-        """Replay the retained rounds from theta^0 without ``clients``, calibrating every update."""
-        plan = self._plan(clients)
-        predicted = self.predict_cost(clients)
-        retrain = self.retrain_cost(clients)
-        t = time.perf_counter()
-        server = 0.0
-        steps = 0
-        w = dict(self.theta0)
-        sizes = self.ctx.client_sizes
-        dev = self.ctx.device
-        for r, cl in plan:
-            if self._reused(r):
-                ids, new = list(cl), None
-            else:
-                res = self.train_round(w, cl, r, keep=True, engine=self.calibration_engine)
-                steps += res.client_steps
-                ids, _, new = self.client_updates(res)
-            ts = time.perf_counter()
-            _, old = self.history.load(r, dev)
-            pos = {c: i for i, c in enumerate(self.history.participants[r])}
-            rows = torch.as_tensor([pos[c] for c in ids], device=dev)
-            old = {k: v.index_select(0, rows) for k, v in old.items()}
-            n = torch.as_tensor([float(sizes[c]) for c in ids], dtype=torch.float64).to(dev)
-            if new is None:  # round 0 from theta^0: the retained updates are the replay's own
+    def plan_unlearn(self, state: PlanState, clients: Sequence[int]) -> list[StagePlan]:
+        """One calibration round per retained (and not reused) round, from theta^0; then the closing plan."""
+        replayed = self._replayed(state, clients)
+        reused = [(r, cl) for r, cl in replayed if self._reused(r)]
+        calibrated = [(r, cl) for r, cl in replayed if not self._reused(r)]
+
+        def init(j: int) -> Callable[[Sequence[TrainResult]], dict[str, Tensor]]:
+            return lambda results: stack_params([self._model_before(state, reused, calibrated, j, results)])
+
+        plans = [
+            StagePlan(r, (Group(0, cl, 1),), init(j), engine=self.calibration_engine, keep_client_params=True)
+            for j, (r, cl) in enumerate(calibrated)
+        ]
+        return [*plans, self.closing_plan(init(len(calibrated)))]
+
+    def _model_before(
+        self,
+        state: PlanState,
+        reused: list[tuple[int, tuple[int, ...]]],
+        calibrated: list[tuple[int, tuple[int, ...]]],
+        j: int,
+        results: Sequence[TrainResult],
+    ) -> dict[str, Tensor]:
+        """The model that plan ``j`` starts from (the closing plan's: the unlearned model).
+
+        The server's step after the plan before it: theta^0 plus the reused round-0 average for the
+        first, else the previous calibration round's start plus its calibrated update.
+        """
+        if j == 0:
+            w = dict(state.theta0)
+            for r, cl in reused:  # round 0 from theta^0: the retained updates are the replay's own
+                old, n = self._old_updates(state, r, list(cl))
                 step = weighted_mean(old, n)
-            elif self.calibrate == "mean":
-                mean_old, mean_new = weighted_mean(old, n), weighted_mean(new, n)
-                step = {
-                    k: v[0]
-                    for k, v in calibrate_updates(
-                        {k: v.unsqueeze(0) for k, v in mean_old.items()},
-                        {k: v.unsqueeze(0) for k, v in mean_new.items()},
-                    ).items()
-                }
-            else:
-                step = weighted_mean(calibrate_updates(old, new), n)
-            w = {k: v + step[k] for k, v in w.items()}
-            server += time.perf_counter() - ts
-        seconds = time.perf_counter() - t
-        self.params = w
-        self.unlearned = sorted({*self.unlearned, *clients})
-        return UnlearnResult(
-            self.current_params(),
-            steps,
-            predicted,
-            retrain,
-            seconds,
-            server_seconds=server,
-            details={
-                "calibrated_rounds": [r for r, _ in plan if not self._reused(r)],
-                "reused_rounds": [r for r, _ in plan if self._reused(r)],
-                "calibration_local_epochs": self.calibration_schedule.local_epochs,
-                "calibration_local_steps": self.calibration_schedule.local_steps,
-            },
-        )
+                w = {k: v + step[k] for k, v in w.items()}
+            return w
+        r = calibrated[j - 1][0]
+        ids, w, new = self.client_updates(results[j - 1])
+        old, n = self._old_updates(state, r, ids)
+        if self.calibrate == "mean":
+            mean_old, mean_new = weighted_mean(old, n), weighted_mean(new, n)
+            step = {
+                k: v[0]
+                for k, v in calibrate_updates(
+                    {k: v.unsqueeze(0) for k, v in mean_old.items()},
+                    {k: v.unsqueeze(0) for k, v in mean_new.items()},
+                ).items()
+            }
+        else:
+            step = weighted_mean(calibrate_updates(old, new), n)
+        return {k: v + step[k] for k, v in w.items()}
+
+    def _old_updates(self, state: PlanState, r: int, ids: list[int]) -> tuple[dict[str, Tensor], Tensor]:
+        """Round ``r``'s retained updates of ``ids`` (rows in that order) and their sample counts."""
+        dev = self.ctx.device
+        history = self.history_of(state)
+        _, old = history.load(r, dev)
+        pos = {c: i for i, c in enumerate(history.participants[r])}
+        rows = torch.as_tensor([pos[c] for c in ids], device=dev)
+        sizes = self.ctx.client_sizes
+        n = torch.as_tensor([float(sizes[c]) for c in ids], dtype=torch.float64).to(dev)
+        return {k: v.index_select(0, rows) for k, v in old.items()}, n
+
+    def unlearn_details(
+        self, state: PlanState, new: PlanState, clients: Sequence[int], plans: Sequence[StagePlan]
+    ) -> dict[str, Any]:
+        """The calibrated and the reused rounds, and the calibration's local training."""
+        replayed = self._replayed(state, clients)
+        return {
+            "calibrated_rounds": [r for r, _ in replayed if not self._reused(r)],
+            "reused_rounds": [r for r, _ in replayed if self._reused(r)],
+            "calibration_local_epochs": self.calibration_schedule.local_epochs,
+            "calibration_local_steps": self.calibration_schedule.local_steps,
+        }

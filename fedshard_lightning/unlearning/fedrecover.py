@@ -46,21 +46,27 @@ Choices and departures:
 Storage: every round's start model and all participants' updates, one FLCache file per round,
 written as training goes and read back one round at a time (rounds x clients x parameters on disk,
 one round plus ``buffer_size`` pairs per client in memory during recovery).
+
+As a planner (:class:`~fedshard_lightning.unlearning.history.HistoryFedAvg`): a request is one
+plan per exact round, on all remaining clients with their updates kept, and a closing plan without
+training. Each plan's ``init`` is the server's work since the exact round before it: the pairs of
+that round (computed once per request) and the estimated rounds in between; the closing plan
+holds the recovered model.
 """
 
 from __future__ import annotations
 
-import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from fedshard_lightning.engine import Group, TrainResult, stack_params, unstack_params
 from fedshard_lightning.limits import check_count
-from fedshard_lightning.unlearning.base import UnlearnResult
 from fedshard_lightning.unlearning.history import HistoryFedAvg
+from fedshard_lightning.unlearning.planner import PlanState, StagePlan
 
 __all__ = ["FedRecover", "curvature_ok", "lbfgs_hvp"]
 
@@ -166,22 +172,6 @@ class FedRecover(HistoryFedAvg):
             or (t - self.warmup_rounds + 1) % self.correction_period == 0
         )
 
-    def predict_cost(self, clients: Sequence[int]) -> int:
-        """Steps of the exact rounds (warm-up, corrections, final tuning); estimated rounds are free."""
-        rest = self.remaining(clients)
-        return sum(
-            self.engine.client_steps_of(self.participants(t, rest))
-            for t in range(self.rounds)
-            if self.is_exact(t)
-        )
-
-    def predict_latency(self, clients: Sequence[int]) -> int:
-        """The slowest remaining participant of every exact round; estimated rounds are free."""
-        rest = self.remaining(clients)
-        return sum(
-            self.engine.latency_of(self.participants(t, rest)) for t in range(self.rounds) if self.is_exact(t)
-        )
-
     def _flat(self, params: dict[str, Tensor], stacked: bool = False) -> Tensor:
         names = self.engine.names
         if stacked:
@@ -208,69 +198,104 @@ class FedRecover(HistoryFedAvg):
                 hv = hv * (cap / norm)
         return hv
 
-    def unlearn(self, clients: Sequence[int]) -> UnlearnResult:
-        """Recover the trajectory without ``clients``: exact rounds by the engine, others estimated."""
-        rest = self.remaining(clients)
-        rest_set = set(rest)
-        predicted = self.predict_cost(clients)
-        retrain = self.retrain_cost(clients)
-        device = self.ctx.device
-        sizes = self.ctx.client_sizes
+    def plan_unlearn(self, state: PlanState, clients: Sequence[int]) -> list[StagePlan]:
+        """The exact rounds on the remaining clients, from theta^0; then the closing plan."""
+        rest = tuple(self.active(state, clients))
+        exact = [t for t in range(self.rounds) if self.is_exact(t)]
+        recovery = _Recovery(self, state, rest, exact)
+
+        def init(k: int) -> Callable[[Sequence[TrainResult]], dict[str, Tensor]]:
+            return lambda results: stack_params([recovery.model_before(k, results)])
+
+        plans = [
+            StagePlan(t, (Group(0, rest, 1),), init(k), keep_client_params=True) for k, t in enumerate(exact)
+        ]
+        return [*plans, self.closing_plan(init(len(exact)))]
+
+    def unlearn_details(
+        self, state: PlanState, new: PlanState, clients: Sequence[int], plans: Sequence[StagePlan]
+    ) -> dict[str, Any]:
+        """Which rounds asked the clients and which the server estimated."""
+        return {
+            "exact_rounds": [t for t in range(self.rounds) if self.is_exact(t)],
+            "estimated_rounds": [t for t in range(self.rounds) if not self.is_exact(t)],
+        }
+
+
+class _Recovery:
+    """The server's side of one FedRecover request: the model each plan starts from.
+
+    Plan k (the k-th exact round, or the closing plan) starts from the model after the exact round
+    before it (that plan's result), advanced through the estimated rounds in between with the
+    clients' L-BFGS buffers. A buffer holds the (Δw, Δg) pairs of the exact rounds so far; each
+    round's pairs are computed once per request, from its result, and kept here.
+
+    Args:
+        alg: The method.
+        state: The state the request starts from (its history is the original training's).
+        rest: The remaining clients.
+        exact: The exact rounds, in order.
+    """
+
+    def __init__(self, alg: FedRecover, state: PlanState, rest: tuple[int, ...], exact: list[int]) -> None:
+        self.alg, self.state, self.rest, self.exact = alg, state, set(rest), exact
+        self.history = alg.history_of(state)
+        self._pairs: dict[int, tuple[TrainResult, dict[int, tuple[Tensor, Tensor]]]] = {}
+
+    def model_before(self, k: int, results: Sequence[TrainResult]) -> dict[str, Tensor]:
+        """The model that plan ``k`` starts from, given the results of the plans before it."""
+        alg = self.alg
+        w_hat = dict(self.state.theta0) if k == 0 else unstack_params(results[k - 1].params, 0)
         buffers: dict[int, deque[tuple[Tensor, Tensor]]] = {}
-        t0 = time.perf_counter()
-        server = 0.0
-        steps = 0
-        w_hat = dict(self.theta0)
-        exact_rounds, estimated_rounds = [], []
-        for t in range(self.rounds):
-            w_bar, old = self.history.load(t, device)
-            parts = self.history.participants[t]
-            pos = {c: i for i, c in enumerate(parts)}
-            if self.is_exact(t):
-                exact_rounds.append(t)
-                res = self.train_round(w_hat, rest, t, keep=True)
-                steps += res.client_steps
-                new_w = {k: v[0] for k, v in res.params.items()}
-                if res.history:
-                    ts = time.perf_counter()
-                    ids, _, new = self.client_updates(res)
-                    dw = self._flat(w_hat) - self._flat(w_bar)
-                    if bool(dw.abs().max() > 0):
-                        new_flat, old_flat = self._flat(new, stacked=True), self._flat(old, stacked=True)
-                        for j, c in enumerate(ids):
-                            if c in pos:
-                                dg = new_flat[j] - old_flat[pos[c]]
-                                if curvature_ok(dw, dg, self.min_cosine):
-                                    buf = buffers.setdefault(c, deque(maxlen=self.buffer_size))
-                                    buf.append((dw, dg))
-                    server += time.perf_counter() - ts
-                w_hat = new_w
-                continue
-            estimated_rounds.append(t)
-            ts = time.perf_counter()
-            ids = [c for c in parts if c in rest_set]
-            if ids:
-                v = self._flat(w_hat) - self._flat(w_bar)
-                old_flat = self._flat(old, stacked=True)
-                est = torch.stack([old_flat[pos[c]] + self._correction(buffers.get(c), v) for c in ids])
-                n = torch.as_tensor([float(sizes[c]) for c in ids], dtype=torch.float64, device=device)
-                weights = (n / n.sum()).to(est.dtype)
-                new_w = self._unflat(self._flat(w_hat) + weights @ est, w_hat)
-                rows = torch.as_tensor([pos[c] for c in ids], device=device)
-                for k in self.engine.buffer_names:  # BN statistics: no gradient to correct, stored updates
-                    upd = old[k].index_select(0, rows).reshape(len(ids), -1)
-                    new_w[k] = w_hat[k] + (weights.to(upd.dtype) @ upd).reshape(w_hat[k].shape)
-                w_hat = new_w
-            server += time.perf_counter() - ts
-        seconds = time.perf_counter() - t0
-        self.params = {k: v.clone() for k, v in w_hat.items()}
-        self.unlearned = sorted({*self.unlearned, *clients})
-        return UnlearnResult(
-            self.current_params(),
-            steps,
-            predicted,
-            retrain,
-            seconds,
-            server_seconds=server,
-            details={"exact_rounds": exact_rounds, "estimated_rounds": estimated_rounds},
-        )
+        for i in range(k):
+            for c, pair in self._pairs_of(i, results[i]).items():
+                buffers.setdefault(c, deque(maxlen=alg.buffer_size)).append(pair)
+        first = self.exact[k - 1] + 1 if k else 0
+        last = self.exact[k] if k < len(self.exact) else alg.rounds
+        for t in range(first, last):
+            w_hat = self._estimated(t, w_hat, buffers)
+        return w_hat
+
+    def _pairs_of(self, i: int, res: TrainResult) -> dict[int, tuple[Tensor, Tensor]]:
+        """The pairs that exact round ``exact[i]`` adds to the clients' buffers (curvature condition met)."""
+        kept = self._pairs.get(i)
+        if kept is not None and kept[0] is res:
+            return kept[1]
+        alg, pairs = self.alg, {}
+        if res.history:
+            w_bar, old = self.history.load(self.exact[i], alg.ctx.device)
+            pos = {c: j for j, c in enumerate(self.history.participants[self.exact[i]])}
+            ids, start, new = alg.client_updates(res)
+            dw = alg._flat(start) - alg._flat(w_bar)
+            if bool(dw.abs().max() > 0):
+                new_flat, old_flat = alg._flat(new, stacked=True), alg._flat(old, stacked=True)
+                for j, c in enumerate(ids):
+                    if c in pos:
+                        dg = new_flat[j] - old_flat[pos[c]]
+                        if curvature_ok(dw, dg, alg.min_cosine):
+                            pairs[c] = (dw, dg)
+        self._pairs[i] = (res, pairs)
+        return pairs
+
+    def _estimated(
+        self, t: int, w_hat: dict[str, Tensor], buffers: dict[int, deque[tuple[Tensor, Tensor]]]
+    ) -> dict[str, Tensor]:
+        """Round ``t`` estimated: each remaining participant's stored update, corrected by L-BFGS."""
+        alg, device = self.alg, self.alg.ctx.device
+        parts = self.history.participants[t]
+        ids = [c for c in parts if c in self.rest]
+        if not ids:
+            return w_hat
+        w_bar, old = self.history.load(t, device)
+        pos = {c: i for i, c in enumerate(parts)}
+        v = alg._flat(w_hat) - alg._flat(w_bar)
+        old_flat = alg._flat(old, stacked=True)
+        est = torch.stack([old_flat[pos[c]] + alg._correction(buffers.get(c), v) for c in ids])
+        n = torch.as_tensor([float(alg.ctx.client_sizes[c]) for c in ids], dtype=torch.float64, device=device)
+        weights = (n / n.sum()).to(est.dtype)
+        new_w = alg._unflat(alg._flat(w_hat) + weights @ est, w_hat)
+        rows = torch.as_tensor([pos[c] for c in ids], device=device)
+        for k in alg.engine.buffer_names:  # BN statistics: no gradient to correct, stored updates
+            upd = old[k].index_select(0, rows).reshape(len(ids), -1)
+            new_w[k] = w_hat[k] + (weights.to(upd.dtype) @ upd).reshape(w_hat[k].shape)
+        return new_w

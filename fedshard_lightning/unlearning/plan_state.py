@@ -71,6 +71,8 @@ class StagePlan:
         merge: For a fit plan that merges earlier groups: how (the loop fires ``on_stage_merge``).
         meta: What the method computed while planning and needs again in ``absorb`` (e.g. the
             grouping's tree); the loop passes it through untouched. Treat it as immutable.
+        keep_client_params: Record each round's start model and its participants' models in the
+            result's ``history`` (for an ``absorb`` that reads client updates, e.g. to keep them).
     """
 
     stage: int
@@ -80,6 +82,7 @@ class StagePlan:
     engine: FederatedEngine | None = None
     merge: StageMerge | None = None
     meta: Any = None
+    keep_client_params: bool = False
 
 
 def freeze(value: Any) -> Any:

@@ -263,21 +263,41 @@ class Planner(Algorithm):
     def run_plan(
         self, plan: StagePlan, results: Sequence[TrainResult] = (), report: bool = False
     ) -> TrainResult:
-        """Train ``plan`` on the engine (its rounds reported to the loop events when ``report``)."""
-        hook = plan.stop() if plan.stop is not None else None
+        """Train ``plan`` on the engine (its rounds reported to the loop events when ``report``).
+
+        A plan whose groups train no round is its initial models, without an engine call: e.g. a
+        request's last plan, which holds the model that the server computed from the plans before it.
+        """
         init = self.init_rows(plan, results)
+        if all(g.rounds == 0 for g in plan.groups):
+            groups = len(plan.groups)
+            return TrainResult(init, 0, [0] * groups, [0] * groups, 0.0, [])
+        hook = plan.stop() if plan.stop is not None else None
         return self.train(
-            init, list(plan.groups), plan.stage, on_round_end=hook, report=report, engine=plan.engine
+            init,
+            list(plan.groups),
+            plan.stage,
+            on_round_end=hook,
+            keep_client_params=plan.keep_client_params,
+            report=report,
+            engine=plan.engine,
         )
 
     def run_plans(self, plans: Sequence[StagePlan]) -> list[TrainResult]:
         """Train a request's plans in order, unreported; later plans may start from earlier results.
 
-        Plans without a stop rule or an engine of their own train as one engine call
-        (:meth:`~.base.Algorithm.train_stages`: every stage's batches planned at once); the others
-        one by one.
+        Plans that all train (some round) plainly, without a stop rule, an engine of their own or
+        client models kept, train as one engine call (:meth:`~.base.Algorithm.train_stages`: every
+        stage's batches planned at once); others one by one.
         """
-        if plans and all(p.stop is None and p.engine is None for p in plans):
+        plain = all(
+            p.stop is None
+            and p.engine is None
+            and not p.keep_client_params
+            and any(g.rounds for g in p.groups)
+            for p in plans
+        )
+        if plans and plain:
             return self.train_stages(
                 [(p.stage, list(p.groups)) for p in plans], lambda j, done: self.init_rows(plans[j], done)
             )
@@ -322,7 +342,9 @@ class Planner(Algorithm):
         """The state after removing ``clients``, and the result: a fold of ``absorb`` over ``plan_unlearn``.
 
         Nothing is swapped or written: ``state`` stays as it was (it is immutable), so what-if
-        analyses keep the new state and the trainer's ``unlearn`` commits it.
+        analyses keep the new state and the trainer's ``unlearn`` commits it. The result's
+        ``server_seconds`` are the request's time outside the engine's training (the plans' init
+        functions and ``absorb``); its ``details`` are :meth:`unlearn_details`.
         """
         state = state if isinstance(state, PlanState) else PlanState(state)
         check = self.checked
@@ -342,6 +364,7 @@ class Planner(Algorithm):
             predicted,
             retrain,
             seconds,
+            server_seconds=max(seconds - sum(r.seconds for r in results), 0.0),  # inits and absorbs
             details=check.unlearn_details(state, new, clients, plans),
         )
 
