@@ -13,7 +13,6 @@ from _baseline_helpers import fit, make
 
 from fedshard_lightning.callbacks import FederatedCallback
 from fedshard_lightning.flcache import FLCache
-from fedshard_lightning.trainer import FederatedTrainer
 from fedshard_lightning.unlearning import FedEraser, FedRecover
 from fedshard_lightning.unlearning.history import round_file
 
@@ -37,17 +36,7 @@ def test_fit_killed_after_a_round_resumes_and_unlearns_like_an_uninterrupted_one
     factory, kw = METHODS[method]
     whole = fit(run_root, factory, **kw)
 
-    _, model, dm = make(run_root, factory, **kw)
-    killed = FederatedTrainer(
-        algorithm=factory(batch_size=5, **kw),
-        precision="64-true",
-        default_root_dir=str(run_root),
-        enable_progress_bar=False,
-        eval_every_n_rounds=0,
-        vectorize="always",
-        enable_fairness=False,
-        callbacks=[_KillAfterRound1()],
-    )
+    killed, model, dm = make(run_root, factory, callbacks=[_KillAfterRound1()], **kw)
     with pytest.raises(KeyboardInterrupt):
         killed.fit(model, dm)
     run = killed.run_dir
