@@ -500,7 +500,9 @@ class FedShard(Planner):
         changed = dict(state.changed)
         if p not in changed or changed[p] is not None:
             changed[p] = tuple(sorted({*changed.get(p, ()), *idx}))
-        return state.replace(models=tuple(models), records=plan.meta.records, changed=changed)
+        if state.records is not plan.meta.records:  # the request's records, once per request
+            return state.replace(models=tuple(models), records=plan.meta.records, changed=changed)
+        return state.replace(models=tuple(models), changed=changed)
 
     def unlearn_details(
         self, state: PlanState, new: PlanState, clients: Sequence[int], plans: Sequence[StagePlan]

@@ -50,7 +50,7 @@ def _version(t: Tensor) -> int | None:
 
 
 def _int(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    return type(value) is int or (isinstance(value, numbers.Integral) and not isinstance(value, bool))
 
 
 def check_plan(alg: Algorithm, plan: Any, where: str) -> StagePlan:

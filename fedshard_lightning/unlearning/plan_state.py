@@ -86,9 +86,15 @@ class StagePlan:
 
 
 def freeze(value: Any) -> Any:
-    """A read-only copy of the containers (tensors are shared): lists to tuples, dicts to mappings."""
+    """A read-only copy of the containers (tensors are shared): lists to tuples, dicts to mappings.
+
+    A tuple that holds only frozen values is returned as it is (immutable already), so a field
+    handed back unchanged keeps its identity.
+    """
     if isinstance(value, (list, tuple)):
-        return tuple(freeze(v) for v in value)
+        items = tuple(freeze(v) for v in value)
+        same = type(value) is tuple and all(a is b for a, b in zip(items, value))
+        return value if same else items
     if isinstance(value, (dict, MappingProxyType)):
         return MappingProxyType({k: freeze(v) for k, v in value.items()})
     return value
@@ -136,10 +142,11 @@ def field_problem(value: Any, stores_itself: bool = False) -> str | None:
 class PlanState(Mapping[str, Any]):
     """Immutable state of a planner: ``state["x"]`` or ``state.x``; :meth:`replace` for a new one."""
 
-    __slots__ = ("_fields",)
+    __slots__ = ("_fields", "_walked")
 
     def __init__(self, fields: Mapping[str, Any]) -> None:
         object.__setattr__(self, "_fields", {k: freeze(v) for k, v in fields.items()})
+        object.__setattr__(self, "_walked", {})
 
     def __getitem__(self, name: str) -> Any:
         return self._fields[name]
@@ -151,7 +158,7 @@ class PlanState(Mapping[str, Any]):
         return len(self._fields)
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name == "_fields":  # copy and pickle probe before _fields exists
+        if name.startswith("__") or name in ("_fields", "_walked"):  # copy and pickle probe before they exist
             raise AttributeError(name)
         try:
             return self._fields[name]
@@ -191,16 +198,31 @@ class PlanState(Mapping[str, Any]):
         """:meth:`replace` without the checks: the loop's own updates of its base fields."""
         new = PlanState.__new__(PlanState)
         object.__setattr__(new, "_fields", {**self._fields, **{k: freeze(v) for k, v in changes.items()}})
+        object.__setattr__(new, "_walked", dict(self._walked))  # each entry checked by identity
         return new
 
     def tensors(self) -> Iterator[tuple[str, Tensor]]:
-        """Every tensor of the state, named ``field`` or ``field.key`` (what version checks watch)."""
-        stack: list[tuple[str, Any]] = list(self._fields.items())
-        while stack:
-            name, v = stack.pop()
-            if isinstance(v, Tensor):
-                yield name, v
-            elif isinstance(v, Mapping):
-                stack.extend((f"{name}.{k}", x) for k, x in v.items())
-            elif isinstance(v, tuple):
-                stack.extend((f"{name}[{i}]", x) for i, x in enumerate(v))
+        """Every tensor of the state, named ``field`` or ``field.key`` (what version checks watch).
+
+        A field's value is immutable, so its tensors are found once and kept for the states that
+        share the field (a fold replaces one or two fields per step; FedShard's records are ~K).
+        """
+        for field, value in self._fields.items():
+            hit = self._walked.get(field)
+            if hit is None or hit[0] is not value:
+                hit = self._walked[field] = (value, _tensors_in(field, value))
+            yield from hit[1]
+
+
+def _tensors_in(name: str, value: Any) -> list[tuple[str, Tensor]]:
+    """The tensors inside ``value`` (frozen containers), named by their path."""
+    out, stack = [], [(name, value)]
+    while stack:
+        name, v = stack.pop()
+        if isinstance(v, Tensor):
+            out.append((name, v))
+        elif isinstance(v, Mapping):
+            stack.extend((f"{name}.{k}", x) for k, x in v.items())
+        elif isinstance(v, tuple):
+            stack.extend((f"{name}[{i}]", x) for i, x in enumerate(v))
+    return out
