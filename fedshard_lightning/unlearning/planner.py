@@ -14,7 +14,9 @@ callbacks and commits FLCache after each stage; the cost of a plan is counted fr
 and rounds by the engine's participant policy (:meth:`Planner.cost`), so ``predict_cost``,
 ``retrain_cost`` and ``predict_latency`` need no code of the method's; :meth:`Planner.what_if` is a fold of
 ``absorb`` over the ``plan_unlearn`` plans that records the unlearned clients itself; ``audit``
-folds ``next_stage`` from ``theta0`` without the unlearned clients and compares the models.
+compares the state with :meth:`Planner.replay_state` (by default a fresh fit of ``next_stage``
+plans without the unlearned clients; FedShard replays its frozen tree). Optional hooks
+(``stage_report``, ``unlearn_details``, ``audit_compare``) add what a method reports.
 The state is a :class:`~.plan_state.PlanState`; every call is checked
 (:mod:`~fedshard_lightning.unlearning.plan_contract`). A planner is also an
 :class:`~fedshard_lightning.unlearning.base.Algorithm`, so commands, callbacks and comparisons
