@@ -5,6 +5,10 @@ Every algorithm (FedShard's stages, plain FedAvg, the unlearning baselines) is b
 :meth:`FederatedEngine.train_groups`; none writes its own training loop. In each round the
 participants of all still-active groups train together (stacked, in memory-sized chunks), then
 each group averages its participants weighted by their sample counts.
+
+``train_groups`` is one loop (:func:`.driver.drive`) whatever path it takes: it picks the round
+runner, :class:`_GeneralRounds` (here) or the lean :class:`.lean_rounds.LeanRounds`, and the
+driver does the rest, so both paths count, record and stop alike.
 """
 
 from __future__ import annotations

@@ -5,11 +5,12 @@ is a few dozen small kernels. There the engine's per-round bookkeeping (plans, l
 allocations, a host check and a dozen dict operations) cost about as much as the training itself,
 so the wall-clock gain of retraining few clients fell far short of its gain in client-steps.
 
-:func:`run_lean` runs a call of :meth:`.FederatedEngine.train_groups` that keeps no client
-parameters, when every round of a segment has the same participants (full participation) in one
-chunk and the local step is the hand-written chain with plain SGD fused into its backward. Per
-segment of rounds with the same active groups it makes once what the general path remakes every
-round: the batch plans of all its rounds (one vectorized call), the step layout, the index
+:class:`LeanRounds` is the engine driver's (:func:`.driver.drive`) second round runner, for a call
+of :meth:`.FederatedEngine.train_groups` that keeps no client parameters, when every round of a
+segment has the same participants (full participation) in one chunk and the local step is the
+hand-written chain with plain SGD fused into its backward. The driver walks the segments (rounds
+with the same active groups); per segment the runner makes once what the general runner remakes
+every round: the batch plans of all its rounds (one vectorized call), the step layout, the index
 tensors, the parameter and sum buffers (kept by shape, :mod:`.lean_frames`) and the block plan of
 the sums. A round is then the chain
 steps, one weighted sum and one row copy per dtype. Unwatched rounds (no ``on_round_end``) check
