@@ -5,6 +5,10 @@ Every algorithm (FedShard's stages, plain FedAvg, the unlearning baselines) is b
 :meth:`FederatedEngine.train_groups`; none writes its own training loop. In each round the
 participants of all still-active groups train together (stacked, in memory-sized chunks), then
 each group averages its participants weighted by their sample counts.
+
+``train_groups`` is one loop (:func:`.driver.drive`) whatever path it takes: it picks the round
+runner, :class:`_GeneralRounds` (here) or the lean :class:`.lean_rounds.LeanRounds`, and the
+driver does the rest, so both paths count, record and stop alike.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from torch import Tensor, nn
 
 from fedshard_lightning.data.base import FederatedDataModule
 from fedshard_lightning.engine.aggregate import GroupSums, SumLayout
+from fedshard_lightning.engine.driver import drive
 from fedshard_lightning.engine.fixed_blocks import train_in_blocks
 from fedshard_lightning.engine.grad_clip import grad_clip
 from fedshard_lightning.engine.groups import (
@@ -36,7 +41,7 @@ from fedshard_lightning.engine.groups import (
     stack_params,
     unstack_params,
 )
-from fedshard_lightning.engine.lean_rounds import lean_eligible, run_lean
+from fedshard_lightning.engine.lean_rounds import LeanRounds, lean_eligible
 from fedshard_lightning.engine.local import ClientBatch, LocalResult, LocalTrainer, NotVectorizable
 from fedshard_lightning.engine.local_layers import LocalLayers
 from fedshard_lightning.engine.optim import OptimizerSpec, optimizer_spec
@@ -397,93 +402,120 @@ class FederatedEngine:
         """
         if self.lean_rounds and not keep_client_params:
             self.decide(init, groups, stage)
-            if lean_eligible(self, groups):
-                return run_lean(self, init, groups, stage, on_round_end)  # the same results, leaner
-        t0 = time.perf_counter()
-        self.local.client_states = {} if self.keep_state else None  # every call starts fresh: replayable
-        state = {k: v.clone() for k, v in init.items()}
-        G = len(groups)
-        stopped = [False] * G
-        rounds_run = [0] * G
-        group_steps = [0] * G
-        history: list[RoundInfo] = []
-        local = LocalLayers(self.local_names)
-        max_rounds = max((g.rounds for g in groups), default=0)
-        dev = next(iter(state.values())).device
-        dtype = state[self.names[0]].dtype
-        self.local.plans.clear()
-        plans: dict[tuple, RoundPlan] = {}  # by participants: one plan for all rounds of the same ones
-        layout = SumLayout.of(state)
-        for r in range(max_rounds):
-            active = [i for i, g in enumerate(groups) if r < g.rounds and not stopped[i] and g.clients]
-            if not active:
-                break
-            tr = time.perf_counter()
-            parts = [self.participants(stage, groups[i], r) for i in active]
-            key = (tuple(active), *map(tuple, parts))
-            plan = plans.get(key)
-            if plan is None:
-                plan = plans[key] = RoundPlan.build(active, parts, G, self.sizes, self.chunk, dtype, dev)
-                if self.samples_everyone:  # the same clients until a group ends: plan those rounds together
-                    last = min(groups[i].rounds for i in active)
-                    for ch in plan.chunks:
-                        self.local.plans.expect(ch.clients, [groups[i].key for i in ch.owners], stage, last)
-            sums = GroupSums(state, plan.counts, self.sum_plans, layout)
-            loss_sum = torch.zeros(G, dtype=torch.float64)
-            step_count = np.zeros(G, dtype=np.int64)
-            logged: dict[str, float] = {}
-            kept: list[LocalResult] = []
-            for ch in plan.chunks:
-                cl, ow = ch.clients, ch.owners
-                with one_sample_batchnorm(type(self.module).__name__, f"stage {stage}, round {r}"):
-                    start, rows = local.start(state, ch.owners_t, cl)
-                    res = self._run_local(start, rows, ClientBatch(cl, [groups[i].key for i in ow], stage, r))
-                losses = res.loss_sum.detach().cpu().double()  # one host copy: the check and the sums
-                check_finite(losses.numpy(), cl, ow, groups, stage, r)
-                local.keep(res.params, cl)
-                sums.add(res.params, ch.samples, ow, ch.meta)
-                loss_sum.index_add_(0, ch.owners_cpu, losses)
-                step_count += np.bincount(ow, weights=res.steps, minlength=G).astype(np.int64)  # exact
-                add_logged(logged, res, ch)
-                if keep_client_params:
-                    kept.append(res)
-            before = {k: v.clone() for k, v in state.items()} if keep_client_params else None
-            sums.write_averages(state, plan.active_t, plan.active_weight)
-            steps_this = int(step_count.sum())
-            for i in active:
-                rounds_run[i] += 1
-                group_steps[i] += int(step_count[i])
-            info = RoundInfo(
-                stage=stage,
-                round=r,
-                active=active,
-                participants=parts,
-                mean_loss=(loss_sum.numpy()[active] / np.maximum(step_count[active], 1)).tolist(),
-                client_steps=steps_this,
-                seconds=time.perf_counter() - tr,
-                start_params=before,
-                client_params=(
-                    {k: torch.cat([x.params[k] for x in kept]) for k in self.names + self.buffer_names}
-                    if keep_client_params
-                    else None
-                ),
-                client_ids=plan.clients,
-                metrics={k: v / plan.metric_norm for k, v in logged.items()},
-            )
-            history.append(info)
-            if on_round_end is not None:
-                stop = on_round_end(info, state)
-                if stop is not None:
-                    for i, s in enumerate(stop):
-                        stopped[i] = stopped[i] or bool(s)
-        return TrainResult(
-            params=state,
-            client_steps=int(sum(group_steps)),
-            group_client_steps=group_steps,
-            rounds_run=rounds_run,
-            seconds=time.perf_counter() - t0,
-            history=history,
+            if lean_eligible(self, groups):  # the same results, leaner
+                return drive(LeanRounds(self, init, groups, stage), groups, on_round_end)
+        return drive(_GeneralRounds(self, init, groups, stage, keep_client_params), groups, on_round_end)
+
+
+class _GeneralRounds:
+    """The driver's general round runner: any participants, chunks, local step or kept client parameters.
+
+    One round per :meth:`run`: a :class:`RoundPlan` per participants (kept for all rounds of the
+    same ones), the chunks trained stacked, each group's participants averaged by :class:`GroupSums`.
+    """
+
+    def __init__(
+        self,
+        engine: FederatedEngine,
+        init: dict[str, Tensor],
+        groups: Sequence[Group],
+        stage: int,
+        keep_client_params: bool,
+    ) -> None:
+        self.engine, self.groups, self.stage, self.keep_client_params = (
+            engine,
+            groups,
+            stage,
+            keep_client_params,
         )
+        engine.local.client_states = {} if engine.keep_state else None  # every call starts fresh: replayable
+        self.state = state = {k: v.clone() for k, v in init.items()}
+        self.local = LocalLayers(engine.local_names)
+        self.dev = next(iter(state.values())).device
+        self.dtype = state[engine.names[0]].dtype
+        engine.local.plans.clear()
+        self.plans: dict[tuple, RoundPlan] = {}  # by participants: one plan for all rounds of the same ones
+        self.layout = SumLayout.of(state)
+        self.active: list[int] = []
+
+    def begin(self, active: list[int], start: int) -> None:
+        """Note the segment's groups (participants are drawn, and planned, per round)."""
+        self.active = active
+
+    def run(
+        self,
+        rounds: range,
+        history: list[RoundInfo],
+        hook: Callable[[RoundInfo, dict[str, Tensor]], Sequence[bool] | None] | None,
+        stopped: list[bool],
+    ) -> tuple[int, dict[int, int]]:
+        """Train round ``rounds[0]``, record it and call ``hook``; one round and each active group's client-steps."""
+        eng, groups, stage, state, active = self.engine, self.groups, self.stage, self.state, self.active
+        keep_client_params, local = self.keep_client_params, self.local
+        G = len(groups)
+        r = rounds[0]
+        tr = time.perf_counter()
+        parts = [eng.participants(stage, groups[i], r) for i in active]
+        key = (tuple(active), *map(tuple, parts))
+        plan = self.plans.get(key)
+        if plan is None:
+            plan = self.plans[key] = RoundPlan.build(
+                active, parts, G, eng.sizes, eng.chunk, self.dtype, self.dev
+            )
+            if eng.samples_everyone:  # the same clients until a group ends: plan those rounds together
+                last = min(groups[i].rounds for i in active)
+                for ch in plan.chunks:
+                    eng.local.plans.expect(ch.clients, [groups[i].key for i in ch.owners], stage, last)
+        sums = GroupSums(state, plan.counts, eng.sum_plans, self.layout)
+        loss_sum = torch.zeros(G, dtype=torch.float64)
+        step_count = np.zeros(G, dtype=np.int64)
+        logged: dict[str, float] = {}
+        kept: list[LocalResult] = []
+        for ch in plan.chunks:
+            cl, ow = ch.clients, ch.owners
+            with one_sample_batchnorm(type(eng.module).__name__, f"stage {stage}, round {r}"):
+                start, rows = local.start(state, ch.owners_t, cl)
+                res = eng._run_local(start, rows, ClientBatch(cl, [groups[i].key for i in ow], stage, r))
+            losses = res.loss_sum.detach().cpu().double()  # one host copy: the check and the sums
+            check_finite(losses.numpy(), cl, ow, groups, stage, r)
+            local.keep(res.params, cl)
+            sums.add(res.params, ch.samples, ow, ch.meta)
+            loss_sum.index_add_(0, ch.owners_cpu, losses)
+            step_count += np.bincount(ow, weights=res.steps, minlength=G).astype(np.int64)  # exact
+            add_logged(logged, res, ch)
+            if keep_client_params:
+                kept.append(res)
+        before = {k: v.clone() for k, v in state.items()} if keep_client_params else None
+        sums.write_averages(state, plan.active_t, plan.active_weight)
+        steps_this = int(step_count.sum())
+        info = RoundInfo(
+            stage=stage,
+            round=r,
+            active=active,
+            participants=parts,
+            mean_loss=(loss_sum.numpy()[active] / np.maximum(step_count[active], 1)).tolist(),
+            client_steps=steps_this,
+            seconds=time.perf_counter() - tr,
+            start_params=before,
+            client_params=(
+                {k: torch.cat([x.params[k] for x in kept]) for k in eng.names + eng.buffer_names}
+                if keep_client_params
+                else None
+            ),
+            client_ids=plan.clients,
+            metrics={k: v / plan.metric_norm for k, v in logged.items()},
+        )
+        history.append(info)
+        if hook is not None:
+            stop = hook(info, state)
+            if stop is not None:
+                for i, s in enumerate(stop):
+                    stopped[i] = stopped[i] or bool(s)
+        return 1, {i: int(step_count[i]) for i in active}
+
+    def params(self) -> dict[str, Tensor]:
+        """The state itself (updated in place, round after round)."""
+        return self.state
 
 
 def _clamped(schedule: LocalSchedule, client_sizes: Any) -> LocalSchedule:

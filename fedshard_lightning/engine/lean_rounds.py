@@ -5,11 +5,12 @@ is a few dozen small kernels. There the engine's per-round bookkeeping (plans, l
 allocations, a host check and a dozen dict operations) cost about as much as the training itself,
 so the wall-clock gain of retraining few clients fell far short of its gain in client-steps.
 
-:func:`run_lean` runs a call of :meth:`.FederatedEngine.train_groups` that keeps no client
-parameters, when every round of a segment has the same participants (full participation) in one
-chunk and the local step is the hand-written chain with plain SGD fused into its backward. Per
-segment of rounds with the same active groups it makes once what the general path remakes every
-round: the batch plans of all its rounds (one vectorized call), the step layout, the index
+:class:`LeanRounds` is the engine driver's (:func:`.driver.drive`) second round runner, for a call
+of :meth:`.FederatedEngine.train_groups` that keeps no client parameters, when every round of a
+segment has the same participants (full participation) in one chunk and the local step is the
+hand-written chain with plain SGD fused into its backward. The driver walks the segments (rounds
+with the same active groups); per segment the runner makes once what the general runner remakes
+every round: the batch plans of all its rounds (one vectorized call), the step layout, the index
 tensors, the parameter and sum buffers (kept by shape, :mod:`.lean_frames`) and the block plan of
 the sums. A round is then the chain
 steps, one weighted sum and one row copy per dtype. Unwatched rounds (no ``on_round_end``) check
@@ -30,14 +31,13 @@ import torch
 from torch import Tensor
 
 from fedshard_lightning.engine.aggregate import _ONE_PASS, SumLayout, cached_block_plan
+from fedshard_lightning.engine.driver import RoundHook, drive
 from fedshard_lightning.engine.groups import Group, RoundInfo, TrainResult, check_finite
 from fedshard_lightning.engine.lean_frames import Frame, LeanEngine, frame_for
 from fedshard_lightning.engine.optim import fused_sgd_lr
 from fedshard_lightning.engine.round_plan import RoundPlan
 
-__all__ = ["RoundHook", "lean_eligible", "run_lean", "segment_span"]
-
-RoundHook = Callable[[RoundInfo, dict[str, Tensor]], Sequence[bool] | None]
+__all__ = ["LeanRounds", "lean_eligible", "run_lean"]
 
 
 def lean_eligible(engine: LeanEngine, groups: Sequence[Group]) -> bool:
@@ -53,14 +53,6 @@ def lean_eligible(engine: LeanEngine, groups: Sequence[Group]) -> bool:
     return sum(len(g.clients) for g in groups) <= engine.chunk  # every round in one chunk
 
 
-def segment_span(
-    groups: Sequence[Group], r: int, stopped: Sequence[bool] | None = None
-) -> tuple[list[int], int]:
-    """The groups training from round ``r`` (with clients, not stopped) and the round their segment ends."""
-    active = [i for i, g in enumerate(groups) if r < g.rounds and g.clients and not (stopped and stopped[i])]
-    return active, min((groups[i].rounds for i in active), default=r)
-
-
 def run_lean(
     engine: LeanEngine,
     init: dict[str, Tensor],
@@ -69,55 +61,55 @@ def run_lean(
     on_round_end: RoundHook | None = None,
     deferred: list[Callable[[], object]] | None = None,
 ) -> TrainResult:
-    """:meth:`.FederatedEngine.train_groups` of ``groups`` (see :func:`lean_eligible`), the same results.
+    """:meth:`.FederatedEngine.train_groups` of ``groups`` (see :func:`lean_eligible`): the driver with :class:`LeanRounds`."""
+    return drive(LeanRounds(engine, init, groups, stage, deferred), groups, on_round_end)
 
-    ``on_round_end`` is called after every round as the general path calls it (with the state as
-    contiguous tensors); a group it stops ends the segment, and the next one trains without it.
-    Without one, the records of the rounds (and their check for non-finite losses) are appended
-    to ``deferred`` when given, to be made after the caller's later calls (:func:`.stages.finish`): host
-    work between training calls cools the caches the next call trains with.
+
+class LeanRounds:
+    """The driver's lean round runner: a :class:`_Segment` per segment, windows of rounds planned together.
+
+    ``on_round_end`` is called after every round as the general runner calls it (with the state as
+    contiguous tensors). Without one, the records of the rounds (and their check for non-finite
+    losses) are appended per window, or, given ``deferred``, to be made after the caller's later
+    calls (:func:`.stages.finish`): host work between training calls cools the caches the next
+    call trains with.
     """
-    t0 = time.perf_counter()
-    layout = SumLayout.of(init)
-    g_count = len(groups)
-    flats, state = _flat_state(init, layout)
-    rounds_run = [0] * g_count
-    group_steps = [0] * g_count
-    stopped = [False] * g_count
-    history: list[RoundInfo] = []
-    max_rounds = max((g.rounds for g in groups), default=0)
-    r = 0
-    with torch.no_grad():
-        while r < max_rounds:
-            active, end = segment_span(groups, r, stopped)
-            if not active:
-                break
-            segment = _Segment(engine, state, layout, groups, active, stage, r)
-            while r < end:
-                ran = segment.run(
-                    flats,
-                    state,
-                    range(r, min(end, r + segment.window)),
-                    history,
-                    on_round_end,
-                    stopped,
-                    deferred,
-                )
-                for i in active:
-                    rounds_run[i] += ran
-                    group_steps[i] += ran * segment.steps_of[i]
-                r += ran
-                if any(stopped[i] for i in active):
-                    break
-    engine.announce()
-    return TrainResult(
-        params={k: v.contiguous() for k, v in state.items()},
-        client_steps=int(sum(group_steps)),
-        group_client_steps=group_steps,
-        rounds_run=rounds_run,
-        seconds=time.perf_counter() - t0,
-        history=history,
-    )
+
+    def __init__(
+        self,
+        engine: LeanEngine,
+        init: dict[str, Tensor],
+        groups: Sequence[Group],
+        stage: int,
+        deferred: list[Callable[[], object]] | None = None,
+    ) -> None:
+        self.engine, self.groups, self.stage, self.deferred = engine, groups, stage, deferred
+        self.layout = SumLayout.of(init)
+        self.flats, self.state = _flat_state(init, self.layout)
+        self.segment: _Segment | None = None
+
+    def begin(self, active: list[int], start: int) -> None:
+        """Make the segment's plan, steps and window (its frame comes with its first window)."""
+        with torch.no_grad():
+            self.segment = _Segment(
+                self.engine, self.state, self.layout, self.groups, active, self.stage, start
+            )
+
+    def run(
+        self, rounds: range, history: list[RoundInfo], hook: RoundHook | None, stopped: list[bool]
+    ) -> tuple[int, dict[int, int]]:
+        """Train one window of ``rounds``; the rounds run and each active group's client-steps."""
+        segment = self.segment
+        assert segment is not None
+        window = range(rounds.start, min(rounds.stop, rounds.start + segment.window))
+        with torch.no_grad():
+            ran = segment.run(self.flats, self.state, window, history, hook, stopped, self.deferred)
+        return ran, {i: ran * s for i, s in segment.steps_of.items()}
+
+    def params(self) -> dict[str, Tensor]:
+        """The state as contiguous tensors (the flat matrices' views are not)."""
+        self.engine.announce()
+        return {k: v.contiguous() for k, v in self.state.items()}
 
 
 def _flat_state(init: dict[str, Tensor], layout: SumLayout) -> tuple[list[Tensor], dict[str, Tensor]]:

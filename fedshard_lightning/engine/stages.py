@@ -10,8 +10,9 @@ trains, so :func:`train_stages` does per request what one call per stage did per
   (the first non-finite loss raises the error the stage's own call would have raised).
 
 Host work between two stages costs more than its own time: it cools the caches the next stage
-trains with (one step of one client after 1.6 MB of numpy work took 306 us instead of 75). The
-results are those of one :meth:`.FederatedEngine.train_groups` call per stage
+trains with (one step of one client after 1.6 MB of numpy work took 306 us instead of 75). Each job
+runs through the engine's one driver (:func:`.driver.drive`) with the lean round runner, as its
+``train_groups`` call would; the results are those of one such call per stage
 (``tests/engine/test_lean_rounds.py``, ``tests/unlearning``).
 """
 
@@ -21,9 +22,10 @@ from collections.abc import Callable, Sequence
 
 from torch import Tensor
 
+from fedshard_lightning.engine.driver import segment_span
 from fedshard_lightning.engine.groups import Group, TrainResult
 from fedshard_lightning.engine.lean_frames import LeanEngine
-from fedshard_lightning.engine.lean_rounds import lean_eligible, run_lean, segment_span
+from fedshard_lightning.engine.lean_rounds import lean_eligible, run_lean
 from fedshard_lightning.engine.plan_ahead import Request
 
 __all__ = ["finish", "lean_requests", "train_stages"]
@@ -59,7 +61,7 @@ def train_stages(
 
 
 def lean_requests(engine: LeanEngine, groups: Sequence[Group], stage: int) -> list[Request]:
-    """The batch plans an unwatched :func:`.run_lean` of these groups asks for: its segments' clients and rounds."""
+    """The batch plans an unwatched lean :func:`.driver.drive` of these groups asks for: its segments' clients and rounds."""
     requests: list[Request] = []
     r, last = 0, max((g.rounds for g in groups), default=0)
     while r < last:
@@ -76,7 +78,7 @@ def lean_requests(engine: LeanEngine, groups: Sequence[Group], stage: int) -> li
 
 
 def finish(deferred: list[Callable[[], object]]) -> None:
-    """Make the records :func:`.run_lean` deferred, in order: the first non-finite loss raises here."""
+    """Make the records the lean runner deferred, in order: the first non-finite loss raises here."""
     for make in deferred:
         make()
     deferred.clear()
