@@ -570,18 +570,6 @@ class FedShard(Planner):
             rounds_rule=round_rule(policy, stage),  # None while calibrating
         )
 
-    def _shard_cost(self, stage: int, index: int, remaining: Sequence[int], rounds: int) -> int:
-        """Client-steps of a shard's rounds with ``remaining`` clients (the engine's participants)."""
-        if not remaining:
-            return 0
-        if self.engine.samples_everyone:
-            # Every client takes part in every round (SPEC section 3): no per-round sample to draw.
-            return rounds * sum(self._steps[c] for c in remaining)
-        group = Group(index, tuple(remaining), rounds)
-        return sum(
-            self.engine.client_steps_of(self.engine.participants(stage, group, r)) for r in range(rounds)
-        )
-
     def ratio_counting_leaving(self, state: PlanState, clients: Sequence[int]) -> float:
         """The paper's r1 measured: the leaving clients' own steps counted on both sides.
 
@@ -596,7 +584,7 @@ class FedShard(Planner):
         for p, recs in enumerate(state.records, start=1):
             for i, rec in enumerate(recs):
                 present = [c for c in rec.clients if c not in before]
-                cost = self._shard_cost(p, i, present, rec.rounds)
+                cost = self.group_cost(p, Group(i, tuple(present), rec.rounds))
                 total += cost
                 if leaving & set(present):
                     affected += cost

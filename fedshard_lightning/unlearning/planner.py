@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fedshard_lightning.engine import TrainResult
+from fedshard_lightning.engine import FederatedEngine, Group, TrainResult
 from fedshard_lightning.errors import CacheError, ConfigError, ContractError
 from fedshard_lightning.unlearning.base import Algorithm, UnlearnResult, retrain_audit
 from fedshard_lightning.unlearning.context import LoopEvents
@@ -314,17 +314,20 @@ class Planner(Algorithm):
         With ``latency``: groups train side by side, so the plan takes its slowest group's
         latency (a round: its slowest participant's steps).
         """
-        eng = self.engine if plan.engine is None else plan.engine
-        per_round = eng.latency_of if latency else eng.client_steps_of
-        costs = []
-        for g in plan.groups:
-            if not g.clients:
-                costs.append(0)
-            elif eng.samples_everyone:  # every client in every round: no per-round draw
-                costs.append(g.rounds * per_round(g.clients))
-            else:
-                costs.append(sum(per_round(eng.participants(plan.stage, g, r)) for r in range(g.rounds)))
+        costs = [self.group_cost(plan.stage, g, latency, plan.engine) for g in plan.groups]
         return max(costs, default=0) if latency else sum(costs)
+
+    def group_cost(
+        self, stage: int, group: Group, latency: bool = False, engine: FederatedEngine | None = None
+    ) -> int:
+        """Client-steps of one group's rounds (``latency``: each round's slowest participant)."""
+        eng = self.engine if engine is None else engine
+        per_round = eng.latency_of if latency else eng.client_steps_of
+        if not group.clients:
+            return 0
+        if eng.samples_everyone:  # every client in every round: no per-round draw
+            return group.rounds * per_round(group.clients)
+        return sum(per_round(eng.participants(stage, group, r)) for r in range(group.rounds))
 
     def predict_cost(self, clients: Sequence[int]) -> int:
         """Client-steps of unlearning ``clients`` now: the cost of the ``plan_unlearn`` plans."""
